@@ -1,0 +1,1 @@
+"""Code shared by every stage: URIs, configuration, the object store and artifacts."""

@@ -1,0 +1,244 @@
+"""One typed configuration for the whole pipeline (DESIGN.md principle 4).
+
+Sources, later wins: the defaults below (the embedded, laptop-scale setup), a YAML/JSON file,
+environment variables `MFT__<SECTION>__<FIELD>` (values parsed as YAML, so `[chat, code]` and
+`1e-4` work), then explicit overrides (Airflow Params). Validation happens at load time, before
+any compute: an invalid value raises `ConfigError` naming the field and what is allowed.
+Each stage gets one resolved file (`Config.dump`) and nothing else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline_core import uris
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+ENV_PREFIX = "MFT__"
+NEMOTRON_SPLITS = ("chat", "code", "math", "stem", "tool")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names each offending field."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class PipelineSection(Section):
+    """Where data comes from and where every artifact goes."""
+
+    dataset_version: str = Field("sample", description="Version label; artifacts live under datasets/<version>/")
+    source_uri: str = Field(
+        default_factory=lambda: uris.qualify(PROJECT_ROOT / "sample_data" / "nemotron_v1"),
+        description="Raw Nemotron records: file://, s3:// URI or hf://datasets/<repo-id>",
+    )
+    store_uri: str = Field(
+        default_factory=lambda: uris.qualify(PROJECT_ROOT / ".store"),
+        description="Root of the object store (file:// directory or s3://bucket/prefix)",
+    )
+    run_id: str | None = Field(None, description="Training run id; runs/<run_id>/ (default: derived per run)")
+    staging_uri: str = Field(
+        default_factory=lambda: uris.qualify(PROJECT_ROOT / ".cache" / "staging"),
+        description="Shared file system where Spark and the trainer write before publishing",
+    )
+
+    @field_validator("dataset_version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        return uris.safe_component(v, "dataset_version")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str | None) -> str | None:
+        return None if v is None else uris.safe_component(v, "run_id")
+
+    @field_validator("store_uri", "staging_uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        return uris.require_uri(v)
+
+    @field_validator("source_uri")
+    @classmethod
+    def _source(cls, v: str) -> str:
+        if v.startswith("hf://"):
+            return v
+        return uris.require_uri(v)
+
+
+class StorageSection(Section):
+    """S3 client settings (ignored by the local-directory backend)."""
+
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint, e.g. http://minio:9000")
+    region: str = "us-east-1"
+    addressing_style: Literal["path", "virtual", "auto"] = "path"
+    aws_conn_id: str | None = Field(None, description="Airflow connection holding credentials (else environment)")
+    multipart_threshold_mb: int = Field(64, ge=5, le=5120)
+    multipart_chunksize_mb: int = Field(16, ge=5, le=5120)
+    max_concurrency: int = Field(8, ge=1, le=64)
+    max_attempts: int = Field(8, ge=1, le=20, description="Attempts per request on throttling / 5xx")
+    connect_timeout_s: float = Field(10, gt=0, le=300)
+    read_timeout_s: float = Field(120, gt=0, le=3600)
+
+
+class EnrichSection(Section):
+    """Spark enrichment: normalisation, sentences, embeddings, similarities."""
+
+    spark_master: str = "local[*]"
+    splits: list[str] = Field(default_factory=lambda: list(NEMOTRON_SPLITS))
+    input_format: Literal["auto", "parquet", "jsonl"] = "auto"
+    reasoning: Literal["separate", "drop", "inline"] = Field(
+        "separate", description="<think> trace: kept apart in reasoning_trace, dropped, or left in the answer"
+    )
+    embedding_model: str = Field("all-MiniLM-L6-v2", description="sentence-transformers model path or id")
+    embedding_batch_size: int = Field(64, ge=1, le=4096)
+    max_context_sentences: int = Field(256, ge=1, le=100_000)
+    max_sentence_chars: int = Field(2000, ge=16, le=100_000)
+    top_k: int = Field(5, ge=1, le=1000)
+    relevance_threshold: float = Field(0.2, ge=-1.0, le=1.0)
+    question_weight: float = Field(0.5, ge=0.0, le=1.0)
+    answer_weight: float = Field(0.5, ge=0.0, le=1.0)
+    shuffle_partitions: int = Field(8, ge=1, le=100_000)
+
+    @field_validator("splits")
+    @classmethod
+    def _splits(cls, v: list[str]) -> list[str]:
+        bad = [s for s in v if s not in NEMOTRON_SPLITS]
+        if bad or not v:
+            raise ValueError(f"unknown split(s) {bad}; choose a non-empty subset of {list(NEMOTRON_SPLITS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _weights(self) -> EnrichSection:
+        if self.question_weight + self.answer_weight <= 0:
+            raise ValueError("question_weight + answer_weight must be > 0")
+        return self
+
+
+class FilterSection(Section):
+    """Similarity filter, deduplication, split, tokenize and pack."""
+
+    min_qa_similarity: float = Field(0.2, ge=-1.0, le=1.0)
+    near_dup_threshold: float = Field(0.95, ge=0.5, le=1.0)
+    min_tokens: int = Field(4, ge=1)
+    max_tokens: int = Field(4096, ge=8)
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    seq_len: int = Field(1024, ge=32, le=131_072)
+    tokenizer: str = Field("mistral-v1", description="'mistral-v1', 'mistral-v3', or an HF tokenizer path/id")
+    overflow: Literal["truncate", "reject"] = "reject"
+    train_on_reasoning: bool = False
+    seed: int = 1234
+
+
+class TrainSection(Section):
+    """DeepSpeed pipeline training."""
+
+    base_model: str = Field("tiny", description="'tiny' (embedded), an HF model directory, or a hub id")
+    pipeline_stages: int = Field(2, ge=1, le=256)
+    partition_method: str = "parameters"
+    seq_len: int = Field(1024, ge=32, le=131_072)
+    micro_batch_size: int = Field(1, ge=1, le=1024)
+    gradient_accumulation_steps: int = Field(4, ge=1, le=4096)
+    steps: int = Field(20, ge=1)
+    learning_rate: float = Field(1e-4, gt=0, le=1.0)
+    warmup_steps: int = Field(2, ge=0)
+    checkpoint_every: int = Field(10, ge=1)
+    keep_last: int = Field(2, ge=1, le=1000)
+    seed: int = 1234
+
+
+class Config(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pipeline: PipelineSection = Field(default_factory=PipelineSection)
+    storage: StorageSection = Field(default_factory=StorageSection)
+    enrich: EnrichSection = Field(default_factory=EnrichSection)
+    filter: FilterSection = Field(default_factory=FilterSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+
+    def section_hash(self, name: str) -> str:
+        """Short stable hash of one section: the `<cfg>` part of artifact paths."""
+        return stable_hash(getattr(self, name).model_dump(mode="json"))[:12]
+
+    def dump(self, path: str | Path) -> Path:
+        """Write the resolved config: the one `--config FILE` every stage takes."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        tmp.write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=True))
+        os.replace(tmp, p)
+        return p
+
+
+def stable_hash(obj: Any) -> str:
+    """sha256 of the canonical JSON form of `obj`."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Config:
+    """Defaults < file < environment (`MFT__SECTION__FIELD`) < overrides (`{"section": {...}}` or `{"section.field": v}`)."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = _read_file(Path(uris.to_local_path(path) if uris.scheme_of(str(path)) else path))
+    env = os.environ if env is None else env
+    for key, raw in sorted(env.items()):
+        if not key.startswith(ENV_PREFIX):
+            continue
+        parts = key[len(ENV_PREFIX) :].lower().split("__")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"environment variable {key}: expected {ENV_PREFIX}<SECTION>__<FIELD>")
+        _set(data, parts, yaml.safe_load(raw) if raw != "" else None)
+    for key, value in (overrides or {}).items():
+        if isinstance(value, Mapping) and "." not in key:
+            for field, v in value.items():
+                _set(data, [key, field], v)
+        else:
+            _set(data, key.split("."), value)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e)) from None
+
+
+def _read_file(p: Path) -> dict[str, Any]:
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist")
+    text = p.read_text()
+    loaded = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config file {p}: expected a mapping of sections, got {type(loaded).__name__}")
+    return loaded
+
+
+def _set(data: dict[str, Any], parts: list[str], value: Any) -> None:
+    if len(parts) != 2:
+        raise ConfigError(f"config key {'.'.join(parts)!r}: expected <section>.<field>")
+    section = data.setdefault(parts[0], {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"config section {parts[0]!r} must be a mapping")
+    section[parts[1]] = value
+
+
+def _describe(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(x) for x in e["loc"]) or "<config>"
+        got = e.get("input")
+        got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+        lines.append(f"{field}: {e['msg']}{got_s}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
