@@ -1,0 +1,121 @@
+"""Builders for the trainer tests: a tiny Mistral-architecture model with the real Mistral v1
+tokenizer, and small train-ready artifacts in the DESIGN.md contract."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+TINY = dict(
+    vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, sliding_window=None, tie_word_embeddings=False,
+    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+)
+
+
+def mistral_v1_tokenizer_file() -> Path:
+    import mistral_common
+
+    return Path(os.path.dirname(mistral_common.__file__)) / "data" / "tokenizer.model.v1"
+
+
+def save_tokenizer(out_dir: Path) -> None:
+    """The real Mistral-7B-v0.1 sentencepiece model, as an HF (fast) tokenizer."""
+    from transformers import LlamaTokenizer
+
+    src = out_dir / "_spm"
+    src.mkdir(parents=True, exist_ok=True)
+    shutil.copy(mistral_v1_tokenizer_file(), src / "tokenizer.model")
+    LlamaTokenizer.from_pretrained(str(src)).save_pretrained(str(out_dir))
+    shutil.copy(mistral_v1_tokenizer_file(), out_dir / "tokenizer.model")
+    shutil.rmtree(src)
+
+
+def make_tiny_model(out_dir: Path, seed: int = 0, max_shard_size: str | None = "600KB", **overrides) -> Path:
+    """save_pretrained of a random tiny MistralForCausalLM (fp32), sharded so the index path is used."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    config = MistralConfig(**{**TINY, **overrides})
+    model = MistralForCausalLM(config).float()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out_dir), safe_serialization=True, **kwargs)
+    save_tokenizer(out_dir)
+    return out_dir
+
+
+def pack_documents(docs: list[list[int]], prompt_lens: list[int], seq_len: int) -> list[dict[str, list[int]]]:
+    """Greedy packing into rows of seq_len: labels -100 on prompt and padding, positions restart per doc."""
+    rows, cur = [], {"input_ids": [], "labels": [], "position_ids": []}
+
+    def flush():
+        pad = seq_len - len(cur["input_ids"])
+        cur["input_ids"] += [0] * pad
+        cur["labels"] += [-100] * pad
+        cur["position_ids"] += list(range(pad))  # padding forms its own (masked) document
+        rows.append({k: list(v) for k, v in cur.items()})
+        for v in cur.values():
+            v.clear()
+
+    for doc, plen in zip(docs, prompt_lens, strict=True):
+        doc = doc[:seq_len]
+        if len(cur["input_ids"]) + len(doc) > seq_len:
+            flush()
+        cur["input_ids"] += doc
+        cur["labels"] += [-100] * plen + doc[plen:]
+        cur["position_ids"] += list(range(len(doc)))
+    if cur["input_ids"]:
+        flush()
+    return rows
+
+
+def write_rows(path: Path, rows: list[dict[str, list[int]]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.table({k: pa.array([r[k] for r in rows], type=pa.list_(pa.int32())) for k in
+                      ("input_ids", "labels", "position_ids")})
+    pq.write_table(table, path)
+
+
+def tokenized_corpus(n_docs: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Short prompt/answer documents with learnable structure, tokenized with the real tokenizer."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(mistral_v1_tokenizer_file()))
+    rng = np.random.default_rng(seed)
+    animals = ["cat", "dog", "owl", "fox", "bee", "cow"]
+    colors = ["red", "blue", "green", "black"]
+    docs, plens = [], []
+    for _ in range(n_docs):
+        a, c = animals[rng.integers(len(animals))], colors[rng.integers(len(colors))]
+        prompt = sp.encode(f"[INST] What colour is the {a}? [/INST]")
+        answer = sp.encode(f" The {a} is {c}. The {c} {a} sleeps.") + [2]
+        docs.append([1] + prompt + answer)
+        plens.append(1 + len(prompt))
+    return docs, plens
+
+
+def build_train_ready(root_uri: str, local_dir: Path, *, seq_len: int, n_train_docs: int, n_val_docs: int,
+                      storage=None, files: int = 2) -> str:
+    """Write data/train/*.parquet + data/val/*.parquet and publish them as a train-ready artifact."""
+    from pipeline_core import uris
+    from pipeline_core.artifacts import publish_artifact
+
+    docs, plens = tokenized_corpus(n_train_docs + n_val_docs)
+    train = pack_documents(docs[:n_train_docs], plens[:n_train_docs], seq_len)
+    val = pack_documents(docs[n_train_docs:], plens[n_train_docs:], seq_len)
+    per = -(-len(train) // files)
+    for i in range(files):
+        write_rows(local_dir / "data" / "train" / f"part-{i:05d}.parquet", train[i * per:(i + 1) * per])
+    write_rows(local_dir / "data" / "val" / "part-00000.parquet", val)
+    uri = uris.join(root_uri, "datasets", "test", "train", "cfg0")
+    publish_artifact(local_dir, uri, kind="train-ready", counts={"in": len(train) + len(val),
+                     "out": len(train) + len(val)}, extra={"seq_len": seq_len, "tokenizer": "mistral-v1"},
+                     storage=storage)
+    return uri
