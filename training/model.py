@@ -39,7 +39,10 @@ ATTENTION_BACKENDS: dict[str, str] = {
     "sdpa": "sdpa",
     "flex": "flex_attention",
     "flash_varlen": "flash_attention_2",
+    # PyTorch's built-in FlashAttention-2 varlen kernel (no flash_attn package), see fast_kernels.py
+    "torch_varlen": "mft_torch_varlen",
 }
+FAST_KERNELS = ("none", "liger")
 
 
 # ----------------------------------------------------------------------------- packing helpers
@@ -248,6 +251,10 @@ def prepare_hf_config(config: MistralConfig, attention_backend: str, seq_len: in
     # A window at least as long as the sequence is a no-op; dropping it keeps flash kernels mask-free.
     if cfg.sliding_window is not None and cfg.sliding_window >= seq_len:
         cfg.sliding_window = None
+    if attention_backend == "torch_varlen":
+        from training.fast_kernels import register_torch_varlen_attention
+
+        register_torch_varlen_attention()
     cfg._attn_implementation = ATTENTION_BACKENDS[attention_backend]
     cfg.use_cache = False
     return cfg
@@ -275,13 +282,17 @@ def build_pipeline_module(
     activation_checkpoint_interval: int = 0,
     loss_fn: Callable = causal_lm_loss,
     device: str | torch.device | None = None,
+    fast_kernels: str = "none",
 ):
     """The PipelineModule (needs torch.distributed initialised). Parameters are created directly
-    on ``device`` so a stage never holds other stages' layers, nor a CPU copy of its own."""
+    on ``device`` so a stage never holds other stages' layers, nor a CPU copy of its own.
+    ``fast_kernels="liger"`` swaps fused GPU kernels in (see fast_kernels.py; names unchanged)."""
     from deepspeed.pipe import PipelineModule
 
+    if fast_kernels not in FAST_KERNELS:
+        raise ValueError(f"train.fast_kernels: unknown {fast_kernels!r}, expected one of {list(FAST_KERNELS)}")
     with torch.device(device or "cpu"):
-        return PipelineModule(
+        module = PipelineModule(
             layers=layer_specs(config, attention_backend),
             num_stages=num_stages,
             loss_fn=loss_fn,
@@ -290,6 +301,11 @@ def build_pipeline_module(
             # never checkpoint the embedding (its int input has no grad under reentrant checkpointing)
             checkpointable_layers=["DecoderLayerPipe"],
         )
+    if fast_kernels == "liger":
+        from training.fast_kernels import apply_liger
+
+        apply_liger(module, fused_loss=loss_fn is causal_lm_loss)
+    return module
 
 
 def hf_named_tensors(modules) -> dict[str, torch.Tensor]:
