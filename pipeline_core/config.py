@@ -140,20 +140,47 @@ class FilterSection(Section):
 
 
 class TrainSection(Section):
-    """DeepSpeed pipeline training."""
+    """DeepSpeed pipeline training (training/train.py). Batch-shape and optimiser fields here
+    override the matching entries of the DeepSpeed config file (`ds_config`)."""
 
     base_model: str = Field("tiny", description="'tiny' (embedded), an HF model directory, or a hub id")
-    pipeline_stages: int = Field(2, ge=1, le=256)
-    partition_method: str = "parameters"
-    seq_len: int = Field(1024, ge=32, le=131_072)
+    pipeline_stages: int = Field(2, ge=1, le=256, description="Pipeline-parallel degree; must divide the world size")
+    partition_method: str = Field(
+        "type:DecoderLayerPipe", description="DeepSpeed partition method: parameters, uniform or type:<regex>"
+    )
+    seq_len: int = Field(1024, ge=32, le=131_072, description="Must equal the train-ready artifact's sequence length")
     micro_batch_size: int = Field(1, ge=1, le=1024)
     gradient_accumulation_steps: int = Field(4, ge=1, le=4096)
-    steps: int = Field(20, ge=1)
+    steps: int = Field(20, ge=1, description="Optimizer steps for the whole run (resumes continue to this)")
     learning_rate: float = Field(1e-4, gt=0, le=1.0)
     warmup_steps: int = Field(2, ge=0)
-    checkpoint_every: int = Field(10, ge=1)
-    keep_last: int = Field(2, ge=1, le=1000)
+    checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints (the last step always saves one)")
+    keep_last: int = Field(2, ge=1, le=1000, description="Checkpoints kept in the store")
     seed: int = 1234
+    precision: Literal["bf16", "fp32"] = Field("bf16", description="Mixed precision (bf16) or full fp32")
+    attention_backend: Literal["sdpa", "flex", "flash_varlen"] = Field(
+        "sdpa", description="sdpa: exact dense mask (CPU); flex: flex-attention document mask; flash_varlen: flash-attn"
+    )
+    activation_checkpoint_interval: int = Field(0, ge=0, description="Decoder layers per checkpointed block; 0 = off")
+    ds_config: str | None = Field(None, description="DeepSpeed JSON (path or file:// URI); default training/ds_config.json")
+    eval_batches: int = Field(8, ge=0, description="Validation micro-batches per data-parallel rank (0 = skip eval)")
+    verify_parity: bool = Field(
+        False, description="Compare pipeline logits with transformers' on a val batch before training and after export"
+    )
+    parity_tolerance: float = Field(1e-5, gt=0, description="Max abs logit difference allowed by verify_parity")
+    peak_tflops: float | None = Field(None, gt=0, description="Per-device peak for MFU (default: known GPUs, else no MFU)")
+
+    @field_validator("partition_method")
+    @classmethod
+    def _partition(cls, v: str) -> str:
+        if v not in ("parameters", "uniform") and not (v.startswith("type:") and len(v) > 5):
+            raise ValueError("expected 'parameters', 'uniform' or 'type:<layer class regex>'")
+        return v
+
+    @field_validator("ds_config")
+    @classmethod
+    def _ds_config(cls, v: str | None) -> str | None:
+        return None if v is None else uris.qualify(v)
 
 
 class Config(BaseModel):
