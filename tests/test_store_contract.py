@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import threading
 
 import pytest
 
@@ -56,7 +55,7 @@ def test_large_object_round_trip_multipart(store_root, tmp_path):
     storage = storage.model_copy(update={"multipart_threshold_mb": 8, "multipart_chunksize_mb": 8})
     src = tmp_path / "big.bin"
     with open(src, "wb") as f:
-        for i in range(65):
+        for _i in range(65):
             f.write(os.urandom(1024 * 1024))  # 65 MiB, incompressible
     store, key = open_store(uris.join(root, "big"), storage)
     info = store.put_file(f"{key}/big.bin", src)
