@@ -1,0 +1,164 @@
+"""The image's Dockerfile: linted by the real hadolint, pinned, and consistent with the locks,
+the repository and the compose stack. No Docker engine here, so nothing is built; what can be
+run (the image's own offline-model check) runs against the same pinned packages locally."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from tests._deploy_support import (
+    DOCKERFILE,
+    REPO,
+    compose_model,
+    dockerfile_args,
+    dockerfile_instructions,
+    final_stage_env,
+    lock_pins,
+    substitute,
+    venv_bin,
+)
+
+HADOLINT_CONFIG = REPO / ".hadolint.yaml"
+
+
+def hadolint(dockerfile_text: str | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [str(venv_bin("hadolint")), "--config", str(HADOLINT_CONFIG), "--format", "json"]
+    if dockerfile_text is None:
+        return subprocess.run(cmd + [str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    return subprocess.run(cmd + ["-"], input=dockerfile_text, capture_output=True, text=True, timeout=60)
+
+
+def test_hadolint_finds_nothing():
+    proc = hadolint()
+    findings = json.loads(proc.stdout or "[]")
+    assert proc.returncode == 0 and findings == [], "\n".join(
+        f"line {f['line']} {f['code']} {f['level']}: {f['message']}" for f in findings
+    ) or proc.stderr
+
+
+def test_hadolint_config_is_strict():
+    # Same config on a bad Dockerfile: warnings fail, untrusted registries are errors.
+    proc = hadolint("FROM quay.io/someone/thing:latest\nRUN cd /tmp && apt-get install curl\n")
+    codes = {f["code"] for f in json.loads(proc.stdout)}
+    assert proc.returncode != 0
+    assert {"DL3007", "DL3026", "DL3003"} <= codes, codes
+
+
+def test_base_images_pinned_by_exact_tag():
+    args = dockerfile_args()
+    stages, images = set(), []
+    for instr, rest in dockerfile_instructions():
+        if instr == "FROM":
+            parts = substitute(rest, args).split()
+            image = [p for p in parts if not p.startswith("--")][0]
+            if image not in stages:
+                images.append(image)
+            if " AS " in rest.upper():
+                stages.add(parts[-1])
+    assert images, "no FROM in the Dockerfile"
+    for image in images:
+        assert "$" not in image, f"unresolved ARG in FROM {image}"
+        name, _, tag = image.partition("@")[0].rpartition(":")
+        assert name and tag and tag != "latest" and re.search(r"\d+\.\d+", tag), f"{image}: pin an exact tag"
+
+
+def test_cuda_base_matches_torch_cuda_build():
+    args = dockerfile_args()
+    torch_base, _, local = args["TORCH_VERSION"].partition("+")
+    cuda_mm = ".".join(args["CUDA_VERSION"].split(".")[:2])
+    # torch's CUDA flavour (cu130) == base image CUDA major.minor (13.0) == the CUDA runtime wheel torch pulls
+    assert local == "cu" + cuda_mm.replace(".", ""), (args["TORCH_VERSION"], args["CUDA_VERSION"])
+    assert args["TORCH_INDEX_URL"].rstrip("/").endswith("/" + local)
+    cuda_lock = lock_pins(REPO / "requirements" / "lock-cuda.txt")
+    assert cuda_lock["nvidia-cuda-runtime"].startswith(cuda_mm + "."), cuda_lock["nvidia-cuda-runtime"]
+    # the same torch release as the CPU lock, only the CUDA build
+    cpu_torch = lock_pins(REPO / "requirements" / "lock.txt")["torch"]
+    assert cpu_torch.split("+")[0] == torch_base
+
+
+def test_cuda_lock_is_hashed_and_disjoint_from_main_lock():
+    text = (REPO / "requirements" / "lock-cuda.txt").read_text()
+    entries = re.findall(r"^([A-Za-z0-9_.\-]+==\S+)\s*\\\s*\n\s*--hash=sha256:([0-9a-f]{64})$", text, re.M)
+    pins = lock_pins(REPO / "requirements" / "lock-cuda.txt")
+    assert len(entries) == len(pins) > 10, "every lock-cuda.txt entry needs exactly one sha256"
+    overlap = set(pins) & set(lock_pins(REPO / "requirements" / "lock.txt"))
+    assert not overlap, f"pinned twice (lock.txt and lock-cuda.txt): {overlap}"
+    assert {"nvidia-cudnn-cu13", "nvidia-nccl-cu13", "triton", "setuptools"} <= set(pins)
+
+
+def test_image_install_excludes_only_locked_names():
+    # The Dockerfile filters some names out of lock.txt; a typo would silently install them.
+    run = " ".join(rest for instr, rest in dockerfile_instructions() if instr == "RUN")
+    excluded = re.search(r"grep -v -E '\^\(#\|([^)]*)\)'", run)
+    assert excluded, "lock filter not found in the Dockerfile"
+    names = [n.rstrip("=") for n in excluded.group(1).split("|")]
+    pins = lock_pins(REPO / "requirements" / "lock.txt")
+    assert names and all(n in pins for n in names), (names, "not all in lock.txt")
+
+
+def _dockerignore_allows(path: str) -> bool:
+    allowed = False
+    for line in (REPO / ".dockerignore").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        neg = line.startswith("!")
+        pat = line.lstrip("!").rstrip("/")
+        if fnmatch.fnmatch(path, pat) or path.startswith(pat + "/"):
+            allowed = neg
+    return allowed
+
+
+def test_copied_sources_exist_and_are_in_build_context():
+    copies = []
+    for instr, rest in dockerfile_instructions():
+        if instr == "COPY" and "--from=" not in rest:
+            parts = [p for p in rest.split() if not p.startswith("--")]
+            copies += parts[:-1]
+    assert copies
+    missing = [c for c in copies if not (REPO / c).exists()]
+    assert not missing, f"COPY sources missing from the repository: {missing}"
+    ignored = [c for c in copies if not _dockerignore_allows(c.rstrip("/"))]
+    assert not ignored, f".dockerignore keeps these out of the build context: {ignored}"
+    for secret in (".env", ".venv", ".store"):
+        assert not _dockerignore_allows(secret), f"{secret} would be sent to the Docker daemon"
+
+
+def test_runtime_stage_user_env_and_volumes():
+    instructions = dockerfile_instructions()
+    users = [rest for instr, rest in instructions if instr == "USER"]
+    user = substitute(users[-1], dockerfile_args()) if users else "root"
+    assert user not in ("root", "0") and not user.startswith("0:"), f"final USER is {user}"
+    env = final_stage_env()
+    for key in ("JAVA_HOME", "SPARK_HOME", "HF_HOME", "AIRFLOW_HOME", "TORCH_EXTENSIONS_DIR"):
+        assert env.get(key, "").startswith("/"), f"{key} not set in the runtime stage"
+    assert env["JAVA_HOME"].startswith("/usr/lib/jvm/java-17-")
+    py_mm = ".".join(dockerfile_args()["PYTHON_VERSION"].split(".")[:2])
+    assert env["SPARK_HOME"] == f"/opt/venv/lib/python{py_mm}/site-packages/pyspark"
+    # caches must land on a volume the containers share, not in the container layer
+    mounts = {v["target"] for s in compose_model()["services"].values() if "build" in s
+              for v in s.get("volumes", []) if v["type"] == "volume"}
+    for key in ("HF_HOME", "TORCH_EXTENSIONS_DIR"):
+        assert any(env[key] == m or env[key].startswith(m + "/") for m in mounts), (key, env[key], mounts)
+
+
+def test_image_offline_model_check_passes_with_the_pinned_packages():
+    """Run the Dockerfile's own build-time check (offline MiniLM + Mistral tokenizer) here."""
+    run = [rest for instr, rest in dockerfile_instructions() if instr == "RUN" and "HF_HUB_OFFLINE=1 python -c" in rest]
+    assert len(run) == 1, "the image's offline model check is missing"
+    code = re.search(r'python -c "(.*?)"\s*&&', run[0]).group(1)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("stage", ["build", "runtime"])
+def test_named_stages_exist(stage):
+    assert any(instr == "FROM" and rest.split()[-1] == stage for instr, rest in dockerfile_instructions())
+    assert compose_model()["services"]["trainer"]["build"]["target"] == "runtime"
