@@ -1,0 +1,475 @@
+"""Training-throughput benchmark: the project's pipeline trainer vs two Hugging Face baselines.
+
+One setup per process (the driver ``bench/run_gpu_bench.sh`` runs them all in one go):
+
+  pipeline   the project's DeepSpeed PipelineModule (training/model.py), ZeRO-1, bf16, 1F1B;
+             launched with torchrun, one process per stage
+  hf_single  plain PyTorch on one GPU: HF MistralForCausalLM, bf16, fused AdamW, act. checkpointing
+  hf_zero2   DeepSpeed ZeRO-2 over all ranks with the HF model (torchrun)
+
+Weights are random and created on the device in bf16 (no download). Sequences are packed
+multi-document rows (position_ids restart per document; the pipeline's attention stays inside
+each document) or, with ``--docs causal``, one document per row. Warm-up steps, then the median
+of ``--steps`` timed steps. Rank 0 writes one JSON object to ``--out``.
+
+CPU dry run (same code paths, tiny model): ``--device cpu --model tiny`` (DS_ACCELERATOR=cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.metrics import MISTRAL_7B, ModelShape, analytic_bubble, bubble_share, throughput_summary  # noqa: E402
+from bench.power import PowerMeter  # noqa: E402
+
+SETUPS = ("pipeline", "hf_single", "hf_zero2")
+
+
+# ----------------------------------------------------------------------------- config / data
+def mistral_config(model: str, seq_len: int, attn: str = "sdpa", sliding_window: str = "default"):
+    from transformers import MistralConfig
+
+    if model == "7b":  # Mistral-7B-v0.1's architecture
+        cfg = MistralConfig(
+            vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+            rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=False,
+        )
+    elif model == "tiny":
+        cfg = MistralConfig(
+            vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(4096, seq_len),
+            sliding_window=4096, tie_word_embeddings=False,
+        )
+    else:
+        raise ValueError(f"--model: unknown {model!r}")
+    if sliding_window == "none":
+        cfg.sliding_window = None
+    cfg.use_cache = False
+    cfg._attn_implementation = attn
+    return cfg
+
+
+def doc_lengths(seq_len: int, gen: torch.Generator, lo: int, hi: int) -> list[int]:
+    """Documents of random length in [lo, hi] packed into one row; the last one is cut to fit."""
+    out, total = [], 0
+    while total < seq_len:
+        n = int(torch.randint(lo, hi + 1, (1,), generator=gen))
+        n = min(n, seq_len - total)
+        out.append(n)
+        total += n
+    return out
+
+
+def make_micro_batches(*, n: int, micro_batch: int, seq_len: int, vocab: int, docs: str, seed: int = 0):
+    """``n`` distinct micro-batches: dict(input_ids, position_ids, labels, targets), int64, CPU.
+    ``labels`` are HF-style (unshifted, -100 on each document's prompt third); ``targets`` are
+    the trainer's (shifted, never across a document boundary)."""
+    from training.model import shift_targets
+
+    gen = torch.Generator().manual_seed(seed)
+    lo, hi = max(16, seq_len // 32), max(32, seq_len // 2)
+    batches = []
+    for _ in range(n):
+        ids = torch.randint(3, vocab, (micro_batch, seq_len), generator=gen)
+        pos = torch.empty_like(ids)
+        labels = ids.clone()
+        for row in range(micro_batch):
+            lengths = doc_lengths(seq_len, gen, lo, hi) if docs == "packed" else [seq_len]
+            start = 0
+            for n_tok in lengths:
+                pos[row, start:start + n_tok] = torch.arange(n_tok)
+                labels[row, start:start + n_tok // 3] = -100  # prompt tokens carry no loss
+                start += n_tok
+        batches.append({"input_ids": ids, "position_ids": pos, "labels": labels,
+                        "targets": shift_targets(labels, pos)})
+    return batches
+
+
+# ----------------------------------------------------------------------------- device helpers
+class Device:
+    def __init__(self, kind: str, local_rank: int):
+        self.kind = kind
+        self.cuda = kind == "cuda"
+        self.torch_device = torch.device(f"cuda:{local_rank}" if self.cuda else "cpu")
+        if self.cuda:
+            torch.cuda.set_device(self.torch_device)
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def reset_peak(self):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_gib(self) -> dict:
+        if not self.cuda:
+            return {"peak_alloc_gib": None, "peak_reserved_gib": None}
+        return {"peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30}
+
+
+class InstructionTimer:
+    """Times every pipeline instruction of a DeepSpeed PipelineEngine on the stage's compute stream
+    (CUDA events, no extra synchronisation) and on the host (data-loading stall)."""
+
+    BUSY = ("ForwardPass", "BackwardPass", "OptimizerStep", "ReduceGrads", "ReduceTiedGrads")
+
+    def __init__(self, engine, device: Device):
+        self.device = device
+        self.active = False
+        self.events: dict[str, list] = {}
+        self.host: dict[str, float] = {}
+        timer = self
+        wrapped = {}
+        for instr, fn in type(engine)._INSTRUCTION_MAP.items():
+            wrapped[instr] = timer._wrap(fn, instr.__name__)
+        engine._INSTRUCTION_MAP = wrapped  # instance attribute shadows the class map
+
+    def _wrap(self, fn, name):
+        timer = self
+
+        def run(engine_self, *args, **kwargs):
+            if not timer.active:
+                return fn(engine_self, *args, **kwargs)
+            t0 = time.perf_counter()
+            if timer.device.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                out = fn(engine_self, *args, **kwargs)
+                end.record()
+                timer.events.setdefault(name, []).append((start, end))
+            else:
+                out = fn(engine_self, *args, **kwargs)
+                timer.events.setdefault(name, []).append(time.perf_counter() - t0)
+            timer.host[name] = timer.host.get(name, 0.0) + time.perf_counter() - t0
+            return out
+
+        return run
+
+    def gpu_seconds(self) -> dict[str, float]:
+        self.device.sync()
+        out = {}
+        for name, evs in self.events.items():
+            if self.device.cuda:
+                out[name] = sum(s.elapsed_time(e) for s, e in evs) / 1e3
+            else:
+                out[name] = sum(evs)
+        return out
+
+
+# ----------------------------------------------------------------------------- setups
+def build_hf_model(args, device: Device):
+    from transformers import MistralForCausalLM
+
+    cfg = mistral_config(args.model, args.seq_len, attn=args.hf_attention, sliding_window=args.sliding_window)
+    torch.manual_seed(args.seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with device.torch_device:
+            model = MistralForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    if args.act_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model, cfg
+
+
+def adamw(params, device: Device, lr: float = 1e-5):
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.cuda or None)
+
+
+def setup_hf_single(args, device: Device):
+    model, cfg = build_hf_model(args, device)
+    opt = adamw(model.parameters(), device)
+    batches = make_micro_batches(n=4, micro_batch=args.micro_batch, seq_len=args.seq_len, vocab=cfg.vocab_size,
+                                 docs=args.docs, seed=args.seed)
+    batches = [{k: v.to(device.torch_device) for k, v in b.items()} for b in batches]
+    state = {"i": 0}
+
+    def step():
+        b = batches[state["i"] % len(batches)]
+        state["i"] += 1
+        kwargs = {"position_ids": b["position_ids"]} if args.hf_position_ids else {}
+        loss = model(input_ids=b["input_ids"], labels=b["labels"], **kwargs).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    tokens_per_step = args.micro_batch * args.seq_len
+    return step, tokens_per_step, cfg, {"micro_batch": args.micro_batch}, None
+
+
+def setup_hf_zero2(args, device: Device):
+    import deepspeed
+
+    model, cfg = build_hf_model(args, device)
+    world = torch.distributed.get_world_size()
+    ds_config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.grad_accum,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                              "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+    }
+    opt = adamw(model.parameters(), device)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    rank = torch.distributed.get_rank()
+    batches = make_micro_batches(n=4, micro_batch=args.micro_batch, seq_len=args.seq_len, vocab=cfg.vocab_size,
+                                 docs=args.docs, seed=args.seed + rank)
+    batches = [{k: v.to(device.torch_device) for k, v in b.items()} for b in batches]
+    state = {"i": 0}
+
+    def step():
+        for _ in range(args.grad_accum):
+            b = batches[state["i"] % len(batches)]
+            state["i"] += 1
+            kwargs = {"position_ids": b["position_ids"]} if args.hf_position_ids else {}
+            loss = engine(input_ids=b["input_ids"], labels=b["labels"], **kwargs).loss
+            engine.backward(loss)
+            engine.step()
+        return loss.detach()
+
+    tokens_per_step = args.micro_batch * args.grad_accum * args.seq_len * world
+    return step, tokens_per_step, cfg, ds_config, None
+
+
+class RepeatingBatches:
+    """The pipeline's data iterator: ((input_ids, position_ids), targets) from pinned host memory,
+    cycling over a few pre-built micro-batches so the host does no work in the timed loop."""
+
+    def __init__(self, batches, pin: bool):
+        self.items = []
+        for b in batches:
+            t = ((b["input_ids"], b["position_ids"]), b["targets"])
+            if pin:
+                t = ((t[0][0].pin_memory(), t[0][1].pin_memory()), t[1].pin_memory())
+            self.items.append(t)
+        self.i = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self.items[self.i % len(self.items)]
+        self.i += 1
+        return item
+
+
+def setup_pipeline(args, device: Device):
+    import deepspeed
+
+    from training.model import build_pipeline_module, prepare_hf_config
+
+    world = torch.distributed.get_world_size()
+    if world % args.stages:
+        raise ValueError(f"--stages={args.stages} does not divide the world size {world}")
+    base = mistral_config(args.model, args.seq_len)
+    cfg = prepare_hf_config(base, args.attention, args.seq_len)
+    torch.manual_seed(args.seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        module = build_pipeline_module(
+            cfg, num_stages=args.stages, partition_method=args.partition, attention_backend=args.attention,
+            activation_checkpoint_interval=args.act_ckpt, device=device.torch_device, fast_kernels=args.kernels,
+        )
+    finally:
+        torch.set_default_dtype(old)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.grad_accum,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1},
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "pipeline": {"activation_checkpoint_interval": args.act_ckpt},
+    }
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = adamw(params, device)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, model_parameters=params, config=ds_config)
+    timer = InstructionTimer(engine, device)
+    batches = make_micro_batches(n=8, micro_batch=args.micro_batch, seq_len=args.seq_len, vocab=cfg.vocab_size,
+                                 docs=args.docs, seed=args.seed + engine.grid.data_parallel_id)
+    data = RepeatingBatches(batches, pin=device.cuda)
+
+    def step():
+        return engine.train_batch(data_iter=data)
+
+    dp = world // args.stages
+    tokens_per_step = args.micro_batch * args.grad_accum * args.seq_len * dp
+    extra = {
+        "stage": engine.stage_id,
+        "analytic_bubble": analytic_bubble(args.stages, args.grad_accum),
+        "layers_on_stage": sum(1 for m in module.modules() if type(m).__name__ == "DecoderLayerPipe"),
+        "params_on_stage": sum(p.numel() for p in module.parameters()),
+    }
+    return step, tokens_per_step, cfg, {**ds_config, "extra": extra}, timer
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setup", choices=SETUPS, required=True)
+    p.add_argument("--label", default=None, help="row name in the results table")
+    p.add_argument("--model", choices=("7b", "tiny"), default="7b")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (pipeline: m)")
+    p.add_argument("--docs", choices=("packed", "causal"), default="packed")
+    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--partition", default="type:DecoderLayerPipe")
+    p.add_argument("--attention", default="torch_varlen", help="pipeline attention backend")
+    p.add_argument("--kernels", choices=("none", "liger"), default="none")
+    p.add_argument("--act-ckpt", type=int, default=0, help="pipeline: checkpoint interval; HF: 0/1")
+    p.add_argument("--hf-attention", default="sdpa")
+    p.add_argument("--hf-position-ids", action="store_true", help="HF baselines: pass packed position_ids")
+    p.add_argument("--sliding-window", choices=("default", "none"), default="default",
+                   help="HF baselines: Mistral-7B-v0.1's 4096 window (default) or none")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    for name in ("seq_len", "micro_batch", "grad_accum", "stages", "steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.model == "7b" and args.device == "cpu":
+        p.error("--model 7b needs --device cuda (use --model tiny for a CPU dry run)")
+    return args
+
+
+def init_distributed(device: Device) -> None:
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if device.cuda else "gloo")
+
+
+def run(args) -> dict | None:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = Device(args.device, local_rank)
+    distributed = args.setup in ("pipeline", "hf_zero2")
+    if distributed:
+        init_distributed(device)
+    rank = torch.distributed.get_rank() if distributed else 0
+    t_setup = time.perf_counter()
+    builder = {"pipeline": setup_pipeline, "hf_single": setup_hf_single, "hf_zero2": setup_hf_zero2}[args.setup]
+    step, tokens_per_step, cfg, settings, timer = builder(args, device)
+    setup_s = time.perf_counter() - t_setup
+
+    meter = PowerMeter(device.torch_device.index or 0) if device.cuda else None
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        timed = i >= args.warmup
+        if i == args.warmup:
+            device.reset_peak()
+            if meter:
+                meter.start()
+            if timer:
+                timer.active = True
+        if distributed:
+            torch.distributed.barrier()
+        device.sync()
+        t0 = time.perf_counter()
+        loss = step()
+        device.sync()
+        dt = time.perf_counter() - t0
+        if timed:
+            times.append(dt)
+        losses.append(float(loss) if loss is not None else float("nan"))
+        if rank == 0:
+            print(f"[{args.label or args.setup}] step {i} {'timed' if timed else 'warmup'} {dt:.3f}s loss {losses[-1]:.4f}",
+                  flush=True)
+    energy = meter.stop() if meter else {"energy_j": None}
+    local = {"rank": rank, "times": times, **device.peak_gib(), "power": energy, "losses": losses}
+    if timer:
+        gpu = timer.gpu_seconds()
+        busy = sum(v for k, v in gpu.items() if k in InstructionTimer.BUSY)
+        total = sum(times)
+        local["instr_gpu_s"] = gpu
+        local["instr_host_s"] = timer.host
+        local["bubble_share"] = bubble_share(total, busy)
+        local["data_stall_share"] = timer.host.get("LoadMicroBatch", 0.0) / total
+        local["stage"] = settings["extra"]["stage"]
+        local["layers_on_stage"] = settings["extra"]["layers_on_stage"]
+        local["params_on_stage"] = settings["extra"]["params_on_stage"]
+    ranks = [local]
+    if distributed:
+        ranks = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ranks, local)
+    if rank != 0:
+        return None
+
+    num_gpus = len(ranks)
+    energies = [r["power"].get("energy_j") for r in ranks]
+    energy_j = sum(energies) if all(e is not None for e in energies) else None
+    shape = ModelShape.from_hf_config(cfg)
+    summary = throughput_summary(
+        step_times_s=ranks[0]["times"], tokens_per_step=tokens_per_step, num_gpus=num_gpus, shape=shape,
+        seq_len=args.seq_len, energy_j=energy_j, timed_tokens=tokens_per_step * len(ranks[0]["times"]),
+    )
+    result = {
+        "label": args.label or args.setup,
+        "setup": args.setup,
+        "args": vars(args),
+        "settings": settings,
+        "model_params": shape.num_parameters(),
+        "is_mistral_7b": shape == MISTRAL_7B,
+        "setup_s": setup_s,
+        **summary,
+        "peak_alloc_gib_max": max((r["peak_alloc_gib"] or 0) for r in ranks) if device.cuda else None,
+        "peak_alloc_gib": [r["peak_alloc_gib"] for r in ranks],
+        "peak_reserved_gib": [r["peak_reserved_gib"] for r in ranks],
+        "mean_power_w": [r["power"].get("mean_power_w") for r in ranks],
+        "energy_counter_j": [r["power"].get("energy_counter_j") for r in ranks],
+        "losses": ranks[-1]["losses"],
+        "step_times_s": ranks[0]["times"],
+        "torch": torch.__version__,
+        "device_name": torch.cuda.get_device_name() if device.cuda else "cpu",
+    }
+    if timer:
+        result["bubble_share"] = [r["bubble_share"] for r in ranks]
+        result["data_stall_share"] = [r["data_stall_share"] for r in ranks]
+        result["instr_gpu_s"] = [r["instr_gpu_s"] for r in ranks]
+        result["stage_of_rank"] = [r["stage"] for r in ranks]
+        result["layers_on_stage"] = [r["layers_on_stage"] for r in ranks]
+        result["params_on_stage"] = [r["params_on_stage"] for r in ranks]
+        result["analytic_bubble"] = settings["extra"]["analytic_bubble"]
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print(
+        f"RESULT {result['label']}: {result['tokens_per_s_per_gpu']:.0f} tok/s/GPU, MFU {result['mfu']:.1%}, "
+        f"peak {result['peak_alloc_gib_max']} GiB, tokens/kJ {result.get('tokens_per_kj')}",
+        flush=True,
+    )
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    run(args)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
