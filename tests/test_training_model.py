@@ -132,7 +132,7 @@ def test_document_mask_and_window():
 
 def test_invalid_model_settings_name_the_field(tiny_dir):
     cfg = load_model_config(tiny_dir)
-    with pytest.raises(ValueError, match="train.seq_len=1024 exceeds .*max_position_embeddings=512"):
-        prepare_hf_config(cfg, "sdpa", 1024)
+    with pytest.raises(ValueError, match="train.seq_len=4096 exceeds .*max_position_embeddings=2048"):
+        prepare_hf_config(cfg, "sdpa", 4096)
     with pytest.raises(ValueError, match="train.attention_backend"):
         prepare_hf_config(cfg, "nope", 64)

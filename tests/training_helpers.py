@@ -3,49 +3,11 @@ tokenizer, and small train-ready artifacts in the DESIGN.md contract."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 
-TINY = dict(
-    vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, sliding_window=None, tie_word_embeddings=False,
-    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-)
-
-
-def mistral_v1_tokenizer_file() -> Path:
-    import mistral_common
-
-    return Path(os.path.dirname(mistral_common.__file__)) / "data" / "tokenizer.model.v1"
-
-
-def save_tokenizer(out_dir: Path) -> None:
-    """The real Mistral-7B-v0.1 sentencepiece model, as an HF (fast) tokenizer."""
-    from transformers import LlamaTokenizer
-
-    src = out_dir / "_spm"
-    src.mkdir(parents=True, exist_ok=True)
-    shutil.copy(mistral_v1_tokenizer_file(), src / "tokenizer.model")
-    LlamaTokenizer.from_pretrained(str(src)).save_pretrained(str(out_dir))
-    shutil.copy(mistral_v1_tokenizer_file(), out_dir / "tokenizer.model")
-    shutil.rmtree(src)
-
-
-def make_tiny_model(out_dir: Path, seed: int = 0, max_shard_size: str | None = "600KB", **overrides) -> Path:
-    """save_pretrained of a random tiny MistralForCausalLM (fp32), sharded so the index path is used."""
-    import torch
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(seed)
-    config = MistralConfig(**{**TINY, **overrides})
-    model = MistralForCausalLM(config).float()
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(str(out_dir), safe_serialization=True, **kwargs)
-    save_tokenizer(out_dir)
-    return out_dir
+from training.tiny import TINY_CONFIG, make_tiny_model, mistral_v1_tokenizer_file  # noqa: F401
 
 
 def pack_documents(docs: list[list[int]], prompt_lens: list[int], seq_len: int) -> list[dict[str, list[int]]]:

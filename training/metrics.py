@@ -1,0 +1,138 @@
+"""Per-step metrics (log, CSV, TensorBoard) and the end-of-run report (loss curve PNG + summary)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu")
+
+# dense bf16 peak TFLOPS per device, by name fragment
+_KNOWN_PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+
+
+def peak_tflops(configured: float | None) -> float | None:
+    if configured is not None:
+        return configured
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in _KNOWN_PEAKS.items() if k in name), None)
+
+
+def flops_per_token(config, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x non-embedding params + attention (PaLM appendix B)."""
+    h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter  # q,o + k,v + gate,up,down
+    params = layers * per_layer + h * config.vocab_size  # + lm head
+    return 6.0 * params + 12.0 * layers * h * seq_len
+
+
+class MetricsLog:
+    """Rank-0 sink: appends one CSV row per step (kept across resumes) and TensorBoard scalars."""
+
+    def __init__(self, csv_path: Path, tb_dir: Path | None):
+        self.csv_path = csv_path
+        csv_path.parent.mkdir(parents=True, exist_ok=True)
+        self.rows: list[dict[str, Any]] = read_csv(csv_path) if csv_path.exists() else []
+        self._tb = None
+        if tb_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(tb_dir))
+            except ImportError:  # tensorboard is optional
+                log.info("tensorboard not installed; CSV only")
+
+    def truncate(self, last_step: int) -> None:
+        """Drop rows after the restored checkpoint (steps that are about to be redone)."""
+        self.rows = [r for r in self.rows if int(r["step"]) <= last_step]
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        with self.csv_path.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            w.writeheader()
+            w.writerows(self.rows)
+
+    def add(self, row: dict[str, Any]) -> None:
+        row = {k: row.get(k) for k in FIELDS}
+        self.rows.append(row)
+        new = not self.csv_path.exists()
+        with self.csv_path.open("a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            if new:
+                w.writeheader()
+            w.writerow(row)
+        if self._tb is not None:
+            for k in FIELDS[1:]:
+                if row[k] is not None:
+                    self._tb.add_scalar(f"train/{k}", float(row[k]), int(row["step"]))
+        log.info("step %d loss %s lr %.3g grad_norm %s tokens/s %.1f%s", row["step"], row["loss"], row["lr"],
+                 _fmt(row["grad_norm"]), row["tokens_per_s"],
+                 "" if row["mfu"] is None else f" mfu {row['mfu']:.3f}")
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        if self._tb is not None:
+            self._tb.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _fmt(v) -> str:
+    return "n/a" if v is None else f"{v:.4g}"
+
+
+def read_csv(path: Path) -> list[dict[str, Any]]:
+    with path.open() as f:
+        return [{k: _parse(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def _parse(v: str):
+    if v in ("", "None"):
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        return float(v)
+
+
+def write_report(out_dir: Path, rows: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+    """loss_curve.png + summary.json next to metrics.csv."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if rows:
+        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss")
+    if summary.get("eval_loss") is not None and rows:
+        ax.axhline(summary["eval_loss"], color="tab:orange", linestyle="--", label="val loss (final)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "loss_curve.png", dpi=100)
+    plt.close(fig)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=_json_default))
+
+
+def _json_default(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return str(v)
