@@ -26,6 +26,9 @@ while IFS= read -r line || [[ -n "${line}" ]]; do
   fi
 done < "${root}/.env.example" > "${target}"
 
+staging="${root}/.cache/staging"
+mkdir -p "${staging}"
+sed -i "s#^MFT_STAGING_DIR=.*#MFT_STAGING_DIR=${staging}#" "${target}"
 if [[ -S /var/run/docker.sock ]]; then
   sed -i "s/^DOCKER_GID=.*/DOCKER_GID=$(stat -c %g /var/run/docker.sock)/" "${target}"
 fi

@@ -21,7 +21,8 @@ DEPLOY_DOC = REPO / "docs" / "deploy.md"
 # Where the Dockerfile puts the repository inside the image.
 IMAGE_REPO_ROOT = "/opt/mft"
 
-SECRET_NAME = re.compile(r"(PASSWORD|SECRET|TOKEN|FERNET|PRIVATE|_KEY$|_KEY_ID$)")
+# names of variables that hold credentials (a *_FILE variable holds a path, not the secret)
+SECRET_NAME = re.compile(r"(PASSWORD|SECRET|TOKEN|FERNET|PRIVATE|_KEY$|_KEY_ID$)(?!.*_FILE$)")
 
 
 def venv_bin(name: str) -> Path:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tests._deploy_support import (
     DOCKERFILE,
     REPO,
