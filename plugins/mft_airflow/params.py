@@ -1,0 +1,98 @@
+"""The DAG's Params (JSON schema, validated by the trigger form and the API) and their mapping onto
+`pipeline_core.config` overrides.
+
+A param left at null means "whatever the configuration says" (defaults < config file < env), so a
+deployment's config file is not silently overridden by form defaults. Everything the form does not
+name can still be set through `config_overrides` (`{"section.field": value}`), which the config
+loader validates field by field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline_core.config import NEMOTRON_SPLITS
+
+STAGES = ("enrich", "filter", "train")
+LAUNCHERS = ("local", "docker", "kubernetes")
+COMPONENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+# param name -> config keys it sets (seq_len drives both the packer and the trainer)
+CONFIG_KEYS: dict[str, tuple[str, ...]] = {
+    "dataset_version": ("pipeline.dataset_version",),
+    "source_uri": ("pipeline.source_uri",),
+    "run_id": ("pipeline.run_id",),
+    "base_model": ("train.base_model",),
+    "splits": ("enrich.splits",),
+    "relevance_threshold": ("enrich.relevance_threshold",),
+    "min_qa_similarity": ("filter.min_qa_similarity",),
+    "near_dup_threshold": ("filter.near_dup_threshold",),
+    "seq_len": ("filter.seq_len", "train.seq_len"),
+    "steps": ("train.steps",),
+    "learning_rate": ("train.learning_rate",),
+}
+
+
+def _nullable(kind: str, description: str, **schema: Any) -> dict[str, Any]:
+    return {"default": None, "type": ["null", kind], "description": description, **schema}
+
+
+def param_specs(default_launcher: str = "local") -> dict[str, dict[str, Any]]:
+    """name -> keyword arguments of `airflow.sdk.Param` (kept as plain dicts so tests and docs can
+    read the schema without Airflow)."""
+    return {
+        "dataset_version": _nullable(
+            "string", "Dataset version (artifacts under datasets/<version>/). Empty: the run's logical date, YYYYMMDD.",
+            pattern=COMPONENT_PATTERN, title="Dataset version",
+        ),
+        "source_uri": _nullable(
+            "string", "Raw Nemotron records: file:///…, s3://bucket/prefix or hf://datasets/<repo>. Empty: config.",
+            pattern=r"^(file|s3|s3a|hdfs|hf)://\S+$", title="Source URI",
+        ),
+        "run_id": _nullable(
+            "string", "Training run id (runs/<run_id>/). Empty: <dataset version>-<Airflow run id>; "
+            "a retry of the same Airflow run resumes the same training run.",
+            pattern=COMPONENT_PATTERN, title="Run id",
+        ),
+        "base_model": _nullable("string", "'tiny', a Hugging Face model directory or hub id. Empty: config.",
+                                minLength=1, title="Base model"),
+        "splits": _nullable(
+            "array", "Nemotron splits to process. Empty: config.",
+            items={"type": "string", "enum": list(NEMOTRON_SPLITS)}, minItems=1, uniqueItems=True, title="Splits",
+        ),
+        "relevance_threshold": _nullable("number", "Min sentence relevance kept as context.", minimum=-1, maximum=1),
+        "min_qa_similarity": _nullable("number", "Drop pairs with question-answer cosine below this.",
+                                       minimum=-1, maximum=1),
+        "near_dup_threshold": _nullable("number", "Cosine at or above which two records are near-duplicates.",
+                                        minimum=0.5, maximum=1),
+        "seq_len": _nullable("integer", "Packed sequence length (tokens), for packing and training.",
+                             minimum=32, maximum=131072),
+        "steps": _nullable("integer", "Optimizer steps.", minimum=1, maximum=10_000_000),
+        "learning_rate": _nullable("number", "Peak learning rate.", exclusiveMinimum=0, maximum=1),
+        "launcher": {
+            "default": default_launcher, "type": "string", "enum": list(LAUNCHERS), "title": "Training launcher",
+            "description": "local: torchrun on the worker; docker: GPU container; kubernetes: GPU pod.",
+        },
+        "stages": {
+            "default": list(STAGES), "type": "array", "items": {"type": "string", "enum": list(STAGES)},
+            "minItems": 1, "uniqueItems": True, "title": "Stages",
+            "description": "Stages to run; a stage left out reuses its committed artifact (it must exist).",
+        },
+        "config_overrides": {
+            "default": {}, "type": "object", "title": "Other config fields",
+            "description": 'Any config field, e.g. {"train.micro_batch_size": 2, "filter.val_fraction": 0.1}.',
+            "propertyNames": {"pattern": r"^[a-z_]+\.[a-z_0-9]+$"},
+        },
+    }
+
+
+def to_overrides(params: dict[str, Any]) -> dict[str, Any]:
+    """Params -> `load_config(overrides=...)`. Named params win over `config_overrides`."""
+    overrides: dict[str, Any] = dict(params.get("config_overrides") or {})
+    for name, keys in CONFIG_KEYS.items():
+        value = params.get(name)
+        if value is None:
+            continue
+        for key in keys:
+            overrides[key] = value
+    return overrides

@@ -1,0 +1,124 @@
+"""The run plan: one validated config and every URI a DAG run touches, decided once, up front.
+
+`resolve_plan` is what the DAG's first task does: it loads the config (defaults < file < env <
+Params), fails before any compute with a message naming the field, writes the resolved config
+file each stage command gets, and returns a JSON-able plan that the other tasks read from XCom.
+It is pure Python (no Airflow import) so it is tested directly.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pipeline_core import layout, uris
+from pipeline_core.artifacts import read_manifest
+from pipeline_core.config import Config, ConfigError, load_config
+from plugins.mft_airflow.params import LAUNCHERS, STAGES, param_specs, to_overrides
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+class PlanError(ValueError):
+    """A parameter combination that cannot run; the message names the field."""
+
+
+def safe_run_name(airflow_run_id: str) -> str:
+    """An Airflow run id (`manual__2026-01-01T02:00:00+00:00`) as a safe path component."""
+    s = _UNSAFE.sub("-", airflow_run_id).strip("-.")
+    while ".." in s:
+        s = s.replace("..", ".")
+    return s[:100] or "run"
+
+
+def version_from_date(date: datetime) -> str:
+    return date.strftime("%Y%m%d")
+
+
+def resolve_plan(
+    params: dict[str, Any],
+    *,
+    dag_id: str,
+    airflow_run_id: str,
+    run_date: datetime | None,
+    config_file: str | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Validate everything and write the resolved config; see the module docstring.
+
+    `run_date` is the run's logical date (scheduled runs, backfills) or, for a manual run without
+    one, when it was triggered: it names the dataset version unless a param does.
+    """
+    unknown_params = sorted(set(params) - set(param_specs()))
+    if unknown_params:
+        raise PlanError(f"unknown param(s) {unknown_params}; known: {sorted(param_specs())} "
+                        "(other config fields go in config_overrides as {'section.field': value})")
+    launcher = params.get("launcher", "local")
+    if launcher not in LAUNCHERS:
+        raise PlanError(f"launcher: {launcher!r} is not one of {list(LAUNCHERS)}")
+    stages = list(params.get("stages") or STAGES)
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown or not stages:
+        raise PlanError(f"stages: {unknown or stages!r} invalid; choose a non-empty subset of {list(STAGES)}")
+
+    overrides = to_overrides(params)
+    if "pipeline.dataset_version" not in overrides:
+        if run_date is None:
+            raise PlanError("dataset_version: the run has no logical date; pass dataset_version")
+        overrides["pipeline.dataset_version"] = version_from_date(run_date)
+    run_name = safe_run_name(airflow_run_id)
+    version = overrides["pipeline.dataset_version"]
+    if isinstance(version, str) and "pipeline.run_id" not in overrides:
+        overrides["pipeline.run_id"] = f"{version}-{run_name}"[:128].rstrip("-.")
+    try:
+        cfg = load_config(config_file, overrides=overrides, env=env)
+    except ConfigError as e:
+        raise PlanError(str(e)) from None
+
+    staging = cfg.pipeline.staging_uri
+    if not uris.is_local(staging):
+        raise PlanError(f"pipeline.staging_uri: {staging!r} must be a file:// URI on a shared file system "
+                        "(stages read their config file and write before publishing there)")
+    config_path = uris.to_local_path(layout.staging_dir(cfg, "airflow", dag_id, run_name, "config.yaml"))
+    plan = build_plan(cfg, config_path, stages=stages, launcher=launcher)
+    _check_reused_inputs(cfg, plan)
+    cfg.dump(config_path)
+    return plan
+
+
+def build_plan(cfg: Config, config_path: Path, *, stages: list[str], launcher: str) -> dict[str, Any]:
+    run = layout.run_uri(cfg)
+    return {
+        "config_file": str(config_path),
+        "dataset_version": cfg.pipeline.dataset_version,
+        "run_id": cfg.pipeline.run_id,
+        "source_uri": cfg.pipeline.source_uri,
+        "store_uri": cfg.pipeline.store_uri,
+        "enriched_uri": layout.enriched_uri(cfg),
+        "train_ready_uri": layout.train_ready_uri(cfg),
+        "run_uri": run,
+        "model_uri": layout.model_uri(run),
+        "models_uri": uris.join(cfg.pipeline.store_uri, "models"),
+        "stages": stages,
+        "launcher": launcher,
+    }
+
+
+def _check_reused_inputs(cfg: Config, plan: dict[str, Any]) -> None:
+    """A selected stage whose producer is left out needs the producer's committed artifact now,
+    not after hours of upstream work."""
+    needs = {"filter": ("enrich", "enriched_uri"), "train": ("filter", "train_ready_uri")}
+    for stage, (producer, key) in needs.items():
+        if stage in plan["stages"] and producer not in plan["stages"]:
+            if read_manifest(plan[key], cfg.storage) is None:
+                raise PlanError(
+                    f"stages: {stage!r} is selected without {producer!r}, but no committed {producer} artifact "
+                    f"exists at {plan[key]}; add {producer!r} to stages"
+                )
+
+
+def load_plan_config(plan: dict[str, Any]) -> Config:
+    """The exact config the plan was resolved with (the environment is not applied twice)."""
+    return load_config(plan["config_file"], env={})

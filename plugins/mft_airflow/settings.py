@@ -1,0 +1,89 @@
+"""Deployment settings of the Airflow side: how stages are launched, not what they compute.
+
+What a stage computes lives in `pipeline_core.config` (one typed config, Params map onto it).
+How it is launched (Spark connection and resources, image, GPUs, namespace, timeouts, schedule)
+is a property of the deployment, read from environment variables `MFT_DEPLOY__<FIELD>` (values
+parsed as YAML). Reading the environment is cheap, so the DAG file can do it at parse time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline_core.config import PROJECT_ROOT
+
+ENV_PREFIX = "MFT_DEPLOY__"
+Launcher = Literal["local", "docker", "kubernetes"]
+
+
+class DeploySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # --- the DAG
+    config_file: str | None = Field(None, description="Base pipeline config (YAML/JSON); Params override it")
+    schedule: str | None = Field("0 2 * * *", description="Cron or preset; nightly by default; None = manual only")
+    start_date: str = "2026-01-01"
+    max_active_runs: int = Field(1, ge=1)
+    retries: int = Field(2, ge=0)
+    retry_delay_s: int = Field(60, ge=1)
+    max_retry_delay_s: int = Field(1800, ge=1)
+    spark_timeout_min: int = Field(240, ge=1)
+    train_timeout_min: int = Field(24 * 60, ge=1)
+    publish_timeout_min: int = Field(30, ge=1)
+    gpu_pool: str = "gpu"
+    launcher: Launcher = "local"
+
+    # --- Spark (SparkSubmitOperator; master and deploy mode come from the connection)
+    spark_conn_id: str = "spark_default"
+    spark_app_dir: str = str(PROJECT_ROOT / "spark_jobs")
+    spark_executor_memory: str | None = None
+    spark_executor_cores: int | None = None
+    spark_driver_memory: str | None = "2g"
+    spark_num_executors: int | None = None
+    spark_py_files: str | None = Field(None, description="Comma-separated zips/eggs shipped to executors")
+    spark_archives: str | None = Field(None, description="e.g. a packed venv: 'env.tar.gz#env'")
+    spark_conf: dict[str, str] = Field(default_factory=dict)
+    spark_python: str | None = Field(None, description="PYSPARK_PYTHON for driver and executors (default: this interpreter)")
+
+    # --- training launchers
+    train_module: str = "training.train"
+    local_nproc_per_node: int = Field(2, ge=1, description="torchrun processes (CPU ranks or GPUs)")
+    image: str = "mistral-finetune:latest"
+    gpus: int = Field(8, ge=0, description="GPUs per training container/pod")
+    gpu_resource: str = "nvidia.com/gpu"
+    shm_size_gb: int = Field(64, ge=1)
+    docker_url: str = "unix://var/run/docker.sock"
+    docker_network: str | None = None
+    shared_volume: str | None = Field(
+        None, description="Host dir (docker) holding pipeline.staging_uri, mounted at the same path"
+    )
+    namespace: str = "default"
+    service_account: str | None = None
+    staging_pvc: str | None = Field(None, description="PVC (kubernetes) holding pipeline.staging_uri")
+    s3_secret: str | None = Field(
+        None, description="Kubernetes Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY for the store"
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+
+
+def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> DeploySettings:
+    """Settings from `MFT_DEPLOY__*` environment variables, then keyword overrides."""
+    env = os.environ if env is None else env
+    data: dict[str, Any] = {}
+    for key, raw in env.items():
+        if key.startswith(ENV_PREFIX):
+            data[key[len(ENV_PREFIX):].lower()] = yaml.safe_load(raw) if raw != "" else None
+    if env.get("MFT_CONFIG"):
+        data.setdefault("config_file", env["MFT_CONFIG"])
+    data.update(overrides)
+    try:
+        return DeploySettings.model_validate(data)
+    except ValidationError as e:
+        fields = "; ".join(f"{ENV_PREFIX}{'.'.join(map(str, x['loc'])).upper()}: {x['msg']}" for x in e.errors())
+        raise ValueError(f"invalid deployment settings: {fields}") from None

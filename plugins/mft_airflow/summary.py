@@ -1,0 +1,148 @@
+"""Publishing the model and saying what a run did, read back from the committed manifests.
+
+`publish_model` checks every file the model manifest lists is in the store with its size, moves
+`models/LATEST` to the model (written last, after the model's manifest), and stores the run's
+summary next to it. `python -m plugins.mft_airflow.summary --store URI` prints the summary of the
+latest published model (what `make demo` ends with).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from typing import Any
+
+from pipeline_core import layout, uris
+from pipeline_core.artifacts import (
+    ArtifactError,
+    CorruptArtifact,
+    read_latest,
+    read_manifest,
+    require_manifest,
+    write_latest,
+)
+from pipeline_core.config import StorageSection, load_config
+from pipeline_core.store import open_store
+
+SUMMARY = "pipeline_summary.json"
+
+
+def _check_files(uri: str, manifest: Any, storage: StorageSection | None) -> None:
+    store, key = open_store(uri, storage)
+    for f in manifest.files:
+        info = store.head(f"{key.rstrip('/')}/{f['path']}")
+        if info is None or info.size != f["size"]:
+            raise CorruptArtifact(f"{uris.join(uri, f['path'])}: missing or wrong size in the store; not publishing")
+
+
+def _losses(report_uri: str, storage: StorageSection | None) -> dict[str, Any]:
+    """Loss at start/end from the run's report (metrics.csv), plus the report's own figures."""
+    report = read_manifest(report_uri, storage)
+    if report is None:
+        return {}
+    out: dict[str, Any] = {k: v for k, v in report.extra.items() if v is not None}
+    csv_path = next((f["path"] for f in report.files if f["path"].endswith("metrics.csv")), None)
+    if csv_path:
+        store, key = open_store(report_uri, storage)
+        sha = next(f["sha256"] for f in report.files if f["path"] == csv_path)
+        rows = [r for r in csv.DictReader(io.StringIO(store.get_bytes(f"{key.rstrip('/')}/{csv_path}", sha).decode()))
+                if r.get("loss") not in (None, "", "None")]
+        if rows:
+            out.update(loss_start=float(rows[0]["loss"]), loss_end=float(rows[-1]["loss"]),
+                       first_step=int(rows[0]["step"]), last_step=int(rows[-1]["step"]))
+    return out
+
+
+def _stage(uri: str, storage: StorageSection | None) -> dict[str, Any]:
+    m = read_manifest(uri, storage)
+    return {"uri": uri, "committed": m is not None, "counts": m.counts if m else None,
+            "timings": m.timings if m else None}
+
+
+def publish_model(plan: dict[str, Any], storage: StorageSection | None) -> dict[str, Any]:
+    model = require_manifest(plan["model_uri"], storage)
+    if model.kind != "model":
+        raise ArtifactError(f"{plan['model_uri']} is a {model.kind!r} artifact, not a model")
+    _check_files(plan["model_uri"], model, storage)
+    summary = {
+        "dataset_version": plan["dataset_version"],
+        "run_id": plan["run_id"],
+        "source_uri": plan["source_uri"],
+        "enrich": _stage(plan["enriched_uri"], storage),
+        "filter": _stage(plan["train_ready_uri"], storage),
+        "train": {"run_uri": plan["run_uri"], **_losses(layout.report_uri(plan["run_uri"]), storage)},
+        "model": {"uri": plan["model_uri"], "files": len(model.files),
+                  "bytes": sum(f["size"] for f in model.files), "manifest_sha256": model.sha256},
+    }
+    store, key = open_store(plan["run_uri"], storage)
+    store.put_bytes(f"{key.rstrip('/')}/{SUMMARY}", json.dumps(summary, indent=2, sort_keys=True).encode())
+    write_latest(plan["models_uri"], plan["model_uri"], storage, replace=True)
+    summary["latest"] = uris.join(plan["models_uri"], "LATEST")
+    return summary
+
+
+def latest_summary(store_uri: str, storage: StorageSection | None) -> dict[str, Any]:
+    models = uris.join(store_uri, "models")
+    target = read_latest(models, storage)
+    if target is None:
+        raise ArtifactError(f"no published model: {models}/LATEST does not exist")
+    store, key = open_store(uris.parent(target), storage)
+    summary = json.loads(store.get_bytes(f"{key.rstrip('/')}/{SUMMARY}"))
+    summary["latest"] = uris.join(models, "LATEST")
+    return summary
+
+
+def _fmt_counts(counts: dict[str, Any] | None) -> str:
+    if not counts:
+        return "(no counts)"
+    rejected = counts.get("rejected") or {}
+    rej = ", ".join(f"{k}={v}" for k, v in sorted(rejected.items())) or "none"
+    extra = {k: v for k, v in counts.items() if k not in ("in", "out", "rejected")}
+    tail = "  " + ", ".join(f"{k}={v}" for k, v in extra.items()) if extra else ""
+    return f"rows in={counts.get('in')} out={counts.get('out')}  rejected: {rej}{tail}"
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    t = s.get("train", {})
+
+    def num(v: Any) -> str:
+        return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+    lines = [
+        f"dataset version {s['dataset_version']}  run {s['run_id']}",
+        f"  source  {s['source_uri']}",
+        f"  enrich  {_fmt_counts(s['enrich']['counts'])}",
+        f"          -> {s['enrich']['uri']}",
+        f"  filter  {_fmt_counts(s['filter']['counts'])}",
+        f"          -> {s['filter']['uri']}",
+        f"  train   loss start {num(t.get('loss_start'))} (step {t.get('first_step')}) -> end {num(t.get('loss_end'))}"
+        f" (step {t.get('last_step')}); val loss {num(t.get('eval_loss'))}, perplexity {num(t.get('eval_perplexity'))}",
+        f"          -> {t.get('run_uri')}",
+        f"  model   {s['model']['uri']}  ({s['model']['files']} files, {s['model']['bytes'] / 1e6:.1f} MB)",
+        f"  latest  {s.get('latest')}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Print what the latest published pipeline run did.")
+    p.add_argument("--store", default=None, help="store root URI (default: the config's pipeline.store_uri)")
+    p.add_argument("--config", default=None, help="config file (for storage settings)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config)
+    store_uri = uris.qualify(args.store) if args.store else cfg.pipeline.store_uri
+    try:
+        s = latest_summary(store_uri, cfg.storage)
+    except ArtifactError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(s, indent=2) if args.json else format_summary(s))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Params: valid conf is accepted and resolved onto the config; each kind of invalid conf is
+refused by the form's JSON schema or by the first task, before any compute, naming the field."""
+
+from __future__ import annotations
+
+import copy
+from datetime import UTC, datetime
+
+import pytest
+import yaml
+from airflow.dag_processing.dagbag import DagBag
+from airflow.sdk.exceptions import ParamValidationError
+
+from pipeline_core import layout, uris
+from pipeline_core.config import load_config
+from plugins.mft_airflow.plan import PlanError, resolve_plan, safe_run_name
+from tests.dag_helpers import DAG_ID, REPO
+
+RUN_DATE = datetime(2026, 1, 2, 2, 0, tzinfo=UTC)
+
+
+@pytest.fixture(scope="module")
+def dag():
+    return DagBag(dag_folder=str(REPO / "dags")).dags[DAG_ID]
+
+
+def form(dag, conf: dict) -> dict:
+    """What the trigger form / REST API do with a conf: merge onto the DAG's Params and validate."""
+    params = copy.deepcopy(dag.params)
+    for k, v in conf.items():
+        params[k] = v
+    return params.validate()
+
+
+@pytest.fixture
+def roots(tmp_path):
+    store, staging = tmp_path / "store", tmp_path / "staging"
+    return {"pipeline.store_uri": uris.qualify(store), "pipeline.staging_uri": uris.qualify(staging)}
+
+
+def resolve(params: dict, roots: dict, run_id: str = "manual__2026-01-02T02:00:00+00:00") -> dict:
+    params = {**params, "config_overrides": {**roots, **params.get("config_overrides", {})}}
+    return resolve_plan(params, dag_id=DAG_ID, airflow_run_id=run_id, run_date=RUN_DATE, env={})
+
+
+def test_defaults_are_valid_and_resolve_to_the_logical_date_version(dag, roots):
+    params = form(dag, {})
+    assert params["launcher"] == "local" and params["stages"] == ["enrich", "filter", "train"]
+    plan = resolve(params, roots)
+    assert plan["dataset_version"] == "20260102"  # scheduled runs and backfills: from the logical date
+    assert plan["run_id"] == "20260102-manual__2026-01-02T02-00-00-00-00"
+    cfg = load_config(plan["config_file"], env={})
+    assert plan["enriched_uri"] == layout.enriched_uri(cfg)
+    assert plan["enriched_uri"].startswith(roots["pipeline.store_uri"] + "/datasets/20260102/enriched/")
+    assert plan["train_ready_uri"].startswith(roots["pipeline.store_uri"] + "/datasets/20260102/train/")
+    assert plan["model_uri"] == roots["pipeline.store_uri"] + f"/runs/{plan['run_id']}/model"
+    # the config file lives under the staging root, one per Airflow run
+    assert plan["config_file"].startswith(str(uris.to_local_path(roots["pipeline.staging_uri"])))
+
+
+def test_valid_conf_maps_onto_the_config(dag, roots, tmp_path):
+    conf = {"dataset_version": "v7", "seq_len": 64, "steps": 3, "learning_rate": 3e-4, "splits": ["chat", "math"],
+            "min_qa_similarity": 0.1, "near_dup_threshold": 0.9, "relevance_threshold": 0.3,
+            "base_model": "tiny", "run_id": "exp-1", "launcher": "docker", "stages": ["enrich", "filter", "train"],
+            "source_uri": uris.qualify(tmp_path / "raw"),
+            "config_overrides": {"train.micro_batch_size": 2, "filter.val_fraction": 0.1}}
+    plan = resolve(form(dag, conf), roots)
+    cfg = yaml.safe_load(open(plan["config_file"]))
+    assert cfg["pipeline"]["dataset_version"] == "v7" and cfg["pipeline"]["run_id"] == "exp-1"
+    assert cfg["filter"]["seq_len"] == cfg["train"]["seq_len"] == 64
+    assert cfg["train"]["steps"] == 3 and cfg["train"]["learning_rate"] == 3e-4
+    assert cfg["train"]["micro_batch_size"] == 2 and cfg["filter"]["val_fraction"] == 0.1
+    assert cfg["enrich"]["splits"] == ["chat", "math"] and cfg["enrich"]["relevance_threshold"] == 0.3
+    assert cfg["filter"]["min_qa_similarity"] == 0.1 and cfg["filter"]["near_dup_threshold"] == 0.9
+    assert cfg["pipeline"]["source_uri"] == conf["source_uri"]
+    assert plan["launcher"] == "docker" and plan["run_uri"].endswith("/runs/exp-1")
+
+
+@pytest.mark.parametrize("conf, field", [
+    ({"steps": "ten"}, "steps"),                      # wrong type
+    ({"steps": 0}, "steps"),                          # out of range
+    ({"seq_len": 16}, "seq_len"),
+    ({"learning_rate": 0}, "learning_rate"),
+    ({"min_qa_similarity": 1.5}, "min_qa_similarity"),
+    ({"launcher": "slurm"}, "launcher"),              # not in the enum
+    ({"stages": []}, "stages"),
+    ({"stages": ["enrich", "deploy"]}, "stages"),
+    ({"splits": ["chat", "poetry"]}, "splits"),
+    ({"dataset_version": "../../etc"}, "dataset_version"),  # path traversal
+    ({"run_id": "a/b"}, "run_id"),
+    ({"source_uri": "/data/raw"}, "source_uri"),      # bare path: paths are URIs
+    ({"config_overrides": {"Train.Steps!": 1}}, "config_overrides"),
+])
+def test_invalid_conf_is_refused_by_the_schema(dag, conf, field):
+    with pytest.raises(ParamValidationError, match=f"param {field}"):
+        form(dag, conf)
+
+
+@pytest.mark.parametrize("conf, message", [
+    ({"config_overrides": {"train.no_such_field": 1}}, "train.no_such_field"),
+    ({"config_overrides": {"enrich.top_k": 0}}, "enrich.top_k"),
+    ({"config_overrides": {"train.micro_batch_size": "two"}}, "train.micro_batch_size"),
+    ({"source_uri": "file://relative/raw"}, "pipeline.source_uri"),
+    ({"step": 5}, "unknown param"),                     # a typo'd param is not silently ignored
+    ({"stages": ["train"]}, "stages"),                  # train alone needs a committed train-ready artifact
+    ({"config_overrides": {"pipeline.staging_uri": "s3://bucket/staging"}}, "pipeline.staging_uri"),
+])
+def test_invalid_conf_fails_the_first_task_naming_the_field(dag, roots, conf, message, tmp_path):
+    params = {**form(dag, {}), **conf}
+    with pytest.raises(PlanError, match=message.replace(".", r"\.")):
+        resolve(params, roots)
+    # nothing was computed or written: no resolved config, no store
+    assert not uris.to_local_path(roots["pipeline.store_uri"]).exists()
+    assert not list(uris.to_local_path(roots["pipeline.staging_uri"]).rglob("config.yaml"))
+
+
+def test_run_names_are_safe_path_components():
+    assert safe_run_name("backfill__2026-01-01T02:00:00+00:00") == "backfill__2026-01-01T02-00-00-00-00"
+    assert ".." not in safe_run_name("manual__..//..")
+    assert safe_run_name("////") == "run"

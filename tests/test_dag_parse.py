@@ -1,0 +1,72 @@
+"""The DAG file imports cleanly, parses fast and stays thin (no provider / ML imports at parse time)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.dag_helpers import DAG_ID, REPO, airflow_env
+
+# Runs in a fresh interpreter that has Airflow loaded, like a DAG processor's parse subprocess:
+# the DAG file and our plugin modules are imported cold.
+PARSE = r"""
+import json, sys, time
+import airflow.sdk  # already loaded in a DAG processor
+from airflow.dag_processing.dagbag import DagBag
+before = set(sys.modules)
+t = time.perf_counter()
+bag = DagBag(dag_folder=sys.argv[1])
+elapsed = time.perf_counter() - t
+heavy = [m for m in ("torch", "pyspark", "deepspeed", "transformers", "docker", "kubernetes",
+                     "airflow.providers.apache.spark", "airflow.providers.docker",
+                     "airflow.providers.cncf.kubernetes", "boto3") if m in set(sys.modules) - before]
+dag = bag.dags.get("mistral_finetune")
+print(json.dumps({"errors": {k: str(v) for k, v in bag.import_errors.items()}, "dag_ids": sorted(bag.dag_ids),
+                  "elapsed": elapsed, "heavy": heavy,
+                  "tasks": sorted(dag.task_ids) if dag else None,
+                  "edges": sorted((t.task_id, d) for t in dag.tasks for d in t.downstream_task_ids) if dag else None}))
+"""
+
+
+def _parse(tmp_path) -> dict:
+    env = airflow_env(tmp_path / "airflow_home")
+    out = subprocess.run([sys.executable, "-c", PARSE, str(REPO / "dags")], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_dagbag_has_no_import_errors_and_parses_fast(tmp_path):
+    results = [_parse(tmp_path)]
+    r = results[0]
+    assert r["errors"] == {}
+    assert r["dag_ids"] == [DAG_ID]
+    assert r["tasks"] == ["enrich", "filter", "publish", "resolve", "train"]
+    assert r["edges"] == [["enrich", "filter"], ["filter", "train"], ["resolve", "enrich"], ["train", "publish"]]
+    # no provider, Spark, torch or boto3 import at parse time: they cost seconds, paid on every parse
+    assert r["heavy"] == []
+    # the machine is shared: take the best of up to three cold parses before judging the time
+    while min(x["elapsed"] for x in results) >= 0.5 and len(results) < 3:
+        results.append(_parse(tmp_path))
+    best = min(x["elapsed"] for x in results)
+    print(f"DAG file parse time (cold, best of {len(results)}): {best * 1000:.0f} ms")
+    assert best < 0.5, f"the DAG file took {best:.2f}s to parse; keep heavy imports and I/O out of it"
+
+
+def test_dag_structure_retries_pool_and_schedule(tmp_path):
+    from airflow.dag_processing.dagbag import DagBag
+
+    dag = DagBag(dag_folder=str(REPO / "dags")).dags[DAG_ID]
+    assert dag.catchup is False
+    assert dag.timetable.expression == "0 2 * * *"  # nightly by default (CronTriggerTimetable)
+    train = dag.get_task("train")
+    assert train.pool == "gpu"
+    for tid in ("enrich", "filter", "train", "publish"):
+        t = dag.get_task(tid)
+        assert t.retries >= 1 and t.retry_exponential_backoff and t.execution_timeout is not None, tid
+        assert t.on_failure_callback, tid
+    # a bad parameter is not transient: the validating task never retries
+    assert dag.get_task("resolve").retries == 0
+    assert {o.name for o in dag.get_task("enrich").outlets} == {"mistral_finetune/enriched"}
+    assert {o.name for o in dag.get_task("filter").outlets} == {"mistral_finetune/train_ready"}
