@@ -26,10 +26,11 @@ ARG PYTHON_VERSION=3.11.7
 # torch's CUDA build must match the base image's CUDA major.minor (13.0 <-> cu130).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
 ARG TORCH_VERSION=2.13.0+cu130
-# DeepSpeed ops to compile into the image (1 = build now, for the GPUs in TORCH_CUDA_ARCH_LIST);
-# anything not built here JIT-compiles on first use, which needs nvcc, absent from the runtime image.
-ARG DS_BUILD_FUSED_ADAM=0
-ARG TORCH_CUDA_ARCH_LIST="8.0;9.0"
+# DeepSpeed ops compiled into the image for the GPUs in TORCH_CUDA_ARCH_LIST (A100, H100/H200,
+# B200). FusedAdam is what training/ds_config.json's AdamW runs on GPUs; an op not built here
+# would JIT-compile on first use, which needs nvcc, absent from the runtime image.
+ARG DS_BUILD_FUSED_ADAM=1
+ARG TORCH_CUDA_ARCH_LIST="8.0;9.0;10.0"
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ENV UV_PYTHON_INSTALL_DIR=/opt/python \

@@ -163,3 +163,14 @@ def test_image_offline_model_check_passes_with_the_pinned_packages():
 def test_named_stages_exist(stage):
     assert any(instr == "FROM" and rest.split()[-1] == stage for instr, rest in dockerfile_instructions())
     assert compose_model()["services"]["trainer"]["build"]["target"] == "runtime"
+
+
+def test_gpu_optimizer_op_is_prebuilt():
+    """On GPUs the trainer's AdamW is DeepSpeed's FusedAdam unless ds_config asks for torch_adam;
+    the runtime image has no nvcc to JIT-compile it, so the build stage must compile it."""
+    ds = json.loads((REPO / "training" / "ds_config.json").read_text())
+    opt = ds.get("optimizer", {})
+    if opt.get("type", "").lower() in ("adam", "adamw") and not opt.get("params", {}).get("torch_adam"):
+        assert dockerfile_args()["DS_BUILD_FUSED_ADAM"] == "1"
+        run = " ".join(rest for instr, rest in dockerfile_instructions() if instr == "RUN")
+        assert 'DS_BUILD_FUSED_ADAM="${DS_BUILD_FUSED_ADAM}"' in run
