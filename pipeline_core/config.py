@@ -108,6 +108,17 @@ class EnrichSection(Section):
     question_weight: float = Field(0.5, ge=0.0, le=1.0)
     answer_weight: float = Field(0.5, ge=0.0, le=1.0)
     shuffle_partitions: int = Field(8, ge=1, le=100_000)
+    embedding_threads: int = Field(0, ge=0, le=256, description="torch threads per Spark task; 0 = spark.task.cpus")
+    arrow_batch_rows: int = Field(512, ge=1, le=100_000, description="records per Arrow batch into the UDFs")
+    spark_conf: dict[str, str] = Field(default_factory=dict, description="extra Spark settings (spark.* keys)")
+
+    @field_validator("spark_conf")
+    @classmethod
+    def _spark_conf(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in v if not k.startswith("spark.")]
+        if bad:
+            raise ValueError(f"keys {bad} are not Spark settings (they must start with 'spark.')")
+        return {k: str(x) for k, x in v.items()}
 
     @field_validator("splits")
     @classmethod

@@ -72,8 +72,9 @@ def spark_session(app_name: str, master: str, shuffle_partitions: int, conf: Map
     else:
         b = b.master(master)
     if master.startswith("local") and not os.environ.get("PYSPARK_PYTHON"):
-        # Executors must run the driver's interpreter (the one with the project installed).
-        b = b.config("spark.pyspark.python", sys.executable)
+        # Local Python workers must run the driver's interpreter (the one with the project installed);
+        # PySpark reads only the environment variable for this, not spark.pyspark.python.
+        os.environ["PYSPARK_PYTHON"] = sys.executable
     settings = {
         "spark.sql.shuffle.partitions": str(shuffle_partitions),
         "spark.sql.execution.arrow.pyspark.enabled": "true",

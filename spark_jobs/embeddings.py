@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
+import pandas as pd  # module level: pandas_udf resolves its type hints in this module
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,6 @@ def embedding_dim(name: str, threads: int = 0) -> int:
 
 def embed_udf(name: str, batch_size: int = 64, threads: int = 0):
     """A Spark pandas UDF: string column -> array<float> unit vector (null text -> null)."""
-    import pandas as pd
     from pyspark.sql.functions import pandas_udf
 
     @pandas_udf("array<float>")

@@ -1,0 +1,260 @@
+"""enrich: raw Nemotron records -> question, answer, context sentences, similarities, relevant context.
+
+    spark-submit spark_jobs/enrich.py --input URI --output URI [--config FILE]
+
+DESIGN.md "enrich" and "Contracts". Spark writes the artifact to a local staging directory
+(fully qualified file:// URI), then the stage publishes it to `--output` (file:// or s3://)
+through `pipeline_core.artifacts`: data files first, `_manifest.json` last. A run whose output is
+already committed with the same config does nothing. Every record ends up either in `data/` or
+in `rejects/` with a reason: in = out + rejected.
+
+Output columns beyond the contract: `question_embedding`, `answer_embedding` (array<float>, unit
+vectors; the filter stage deduplicates with them) and `metadata` (the record's own, e.g. tool
+definitions); the manifest lists them under `extra.extra_columns`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd  # module level: pandas_udf resolves its type hints in this module
+
+# `spark-submit spark_jobs/enrich.py` puts spark_jobs/ itself on sys.path, not the project root;
+# the project is normally installed (pip install -e . / the image), this covers a bare checkout.
+if __package__ in (None, ""):
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline_core import uris
+from pipeline_core.artifacts import Manifest
+from pipeline_core.config import Config, EnrichSection, load_config
+from spark_jobs.common import (
+    StageTimer,
+    artifact_counts,
+    clean_staging,
+    committed_output,
+    parse_stage_args,
+    publish,
+    rejects_frame,
+    setup_logging,
+    spark_session,
+    staging_for,
+    task_cpus,
+    write_parquet,
+)
+from spark_jobs.normalize import Rejected, normalise
+from spark_jobs.readers import MESSAGES_DDL, read_records
+from spark_jobs.scoring import ScoringParams, score_record
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+log = logging.getLogger("spark_jobs.enrich")
+
+STAGE = "enrich"
+KIND = "enriched"
+NORMALISED_SCHEMA = (
+    "question string, answer string, reasoning_trace string, context_sentences array<string>, reason string"
+)
+SCORES_SCHEMA = (
+    "sim_context_question double, sim_context_answer double, sim_question_answer double, "
+    "relevant_sentences array<struct<text:string,index:int,score:double>>, "
+    "question_embedding array<float>, answer_embedding array<float>"
+)
+CONTRACT_COLUMNS = (
+    "id", "category", "reasoning", "question", "answer", "reasoning_trace", "context_sentences",
+    "relevant_sentences", "sim_context_question", "sim_context_answer", "sim_question_answer", "messages",
+)
+EXTRA_COLUMNS = ("question_embedding", "answer_embedding", "metadata")
+
+
+def normalise_raw(uuid: str | None, messages_json: str | None, read_error: str | None, e: EnrichSection) -> dict[str, Any]:
+    """One raw row -> the normalised columns, or `reason` set (never raises)."""
+    empty = {"question": None, "answer": None, "reasoning_trace": None, "context_sentences": None}
+    if read_error:
+        return {**empty, "reason": read_error.split(":", 1)[0]}
+    if uuid is None or not str(uuid).strip():
+        return {**empty, "reason": "missing_id"}
+    try:
+        messages = json.loads(messages_json) if messages_json is not None else None
+        if messages is not None and not isinstance(messages, list):
+            raise Rejected("bad_message", f"messages is a {type(messages).__name__}, not a list")
+        n = normalise(messages, reasoning=e.reasoning, max_context_sentences=e.max_context_sentences,
+                      max_sentence_chars=e.max_sentence_chars)
+    except Rejected as r:
+        return {**empty, "reason": r.reason}
+    except ValueError:
+        return {**empty, "reason": "unparseable_messages"}
+    return {"question": n.question, "answer": n.answer, "reasoning_trace": n.reasoning_trace,
+            "context_sentences": n.context_sentences, "reason": None}
+
+
+def normalise_udf(e: EnrichSection):
+    from pyspark.sql.functions import pandas_udf
+
+    cols = ["question", "answer", "reasoning_trace", "context_sentences", "reason"]
+
+    @pandas_udf(NORMALISED_SCHEMA)
+    def _normalise(uuid: pd.Series, messages_json: pd.Series, read_error: pd.Series) -> pd.DataFrame:
+        rows = [normalise_raw(u, m, r, e) for u, m, r in zip(uuid, messages_json, read_error, strict=True)]
+        return pd.DataFrame(rows, columns=cols)
+
+    return _normalise
+
+
+def score_batch(questions: Sequence[str], answers: Sequence[str], contexts: Sequence[Sequence[str]],
+                e: EnrichSection, threads: int) -> list[dict[str, Any]]:
+    """Embed a batch's questions, answers and context sentences in one batched encode, then score."""
+    from spark_jobs.embeddings import encode
+
+    contexts = [list(c) if c is not None else [] for c in contexts]
+    n = len(questions)
+    vecs = encode([*questions, *answers, *(s for c in contexts for s in c)], e.embedding_model,
+                  e.embedding_batch_size, threads)
+    params = ScoringParams(e.top_k, e.relevance_threshold, e.question_weight, e.answer_weight)
+    rows, off = [], 2 * n
+    for i, ctx in enumerate(contexts):
+        q, a, s = vecs[i], vecs[n + i], vecs[off : off + len(ctx)]
+        off += len(ctx)
+        r = score_record(q, a, s, params)
+        r["relevant_sentences"] = [{"text": ctx[j], "index": j, "score": sc} for j, sc in r["relevant_sentences"]]
+        r["question_embedding"], r["answer_embedding"] = q.tolist(), a.tolist()
+        rows.append(r)
+    return rows
+
+
+def score_udf(e: EnrichSection, threads: int):
+    from pyspark.sql.functions import pandas_udf
+
+    cols = ["sim_context_question", "sim_context_answer", "sim_question_answer", "relevant_sentences",
+            "question_embedding", "answer_embedding"]
+
+    @pandas_udf(SCORES_SCHEMA)
+    def _score(question: pd.Series, answer: pd.Series, context: pd.Series) -> pd.DataFrame:
+        return pd.DataFrame(score_batch(question.tolist(), answer.tolist(), context.tolist(), e, threads), columns=cols)
+
+    return _score
+
+
+def stage_config(cfg: Config, input_uri: str) -> dict[str, Any]:
+    """What determines the artifact's content: recorded in (and hashed into) the manifest."""
+    return {"stage": STAGE, "input": input_uri, "enrich": cfg.enrich.model_dump(mode="json")}
+
+
+def run(input_uri: str, output_uri: str, cfg: Config, spark: SparkSession | None = None) -> Manifest:
+    e = cfg.enrich
+    output_uri = uris.require_uri(output_uri, "--output").rstrip("/")
+    if not input_uri.startswith("hf://"):
+        input_uri = uris.require_uri(input_uri, "--input").rstrip("/")
+    config = stage_config(cfg, input_uri)
+    done = committed_output(output_uri, config, cfg.storage)
+    if done is not None:
+        log.info("%s is already committed with this config (counts %s); nothing to do", output_uri, done.counts)
+        return done
+
+    timer = StageTimer(STAGE)
+    staging_uri, staging = staging_for(cfg, STAGE, output_uri)
+    own = spark is None
+    if spark is None:
+        conf = {"spark.sql.execution.arrow.maxRecordsPerBatch": str(e.arrow_batch_rows), **e.spark_conf}
+        spark = spark_session("mft-enrich", e.spark_master, e.shuffle_partitions, conf)
+    norm = None
+    try:
+        manifest, norm = _compute_and_publish(spark, input_uri, output_uri, cfg, config, timer, staging_uri, staging)
+    finally:
+        if norm is not None:
+            norm.unpersist()
+        if own:
+            spark.stop()
+    clean_staging(staging)
+    return manifest
+
+
+def _compute_and_publish(spark, input_uri, output_uri, cfg, config, timer, staging_uri, staging):
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    e = cfg.enrich
+    with timer.step("read+normalise") as info:
+        raw, source = read_records(spark, input_uri, e.splits, e.input_format, download_dir=staging / "_download")
+        norm = raw.select(
+            F.col("uuid").alias("id"), "category", "reasoning", "metadata", "messages_json", "raw",
+            normalise_udf(e)("uuid", "messages_json", "read_error").alias("n"),
+        ).select("*", "n.*").drop("n").persist(StorageLevel.MEMORY_AND_DISK)
+        stats = norm.agg(
+            F.count(F.lit(1)).alias("rows"),
+            F.sum(F.when(F.col("reason").isNull(), F.size("context_sentences")).otherwise(0)).alias("sentences"),
+            F.sum(F.when(F.col("reason").isNull(), 1).otherwise(0)).alias("accepted"),
+        ).first()
+        n_in, n_sent, n_ok = int(stats["rows"]), int(stats["sentences"] or 0), int(stats["accepted"])
+        info["rows"] = n_in
+
+    with timer.step("write rejects") as info:
+        write_parquet(rejects_frame(norm.where(F.col("reason").isNotNull()), STAGE), uris.join(staging_uri, "rejects"))
+        info["rows"] = n_in - n_ok
+
+    threads = e.embedding_threads or task_cpus(spark)
+    with timer.step("embed+score+write") as info:
+        accepted = (
+            norm.where(F.col("reason").isNull())
+            .repartition(e.shuffle_partitions, "id")
+            .sortWithinPartitions("id")
+        )
+        scored = accepted.select("*", score_udf(e, threads)("question", "answer", "context_sentences").alias("s"))
+        out = scored.select(
+            *[c for c in CONTRACT_COLUMNS[:7]], "s.relevant_sentences", "s.sim_context_question",
+            "s.sim_context_answer", "s.sim_question_answer",
+            F.from_json("messages_json", MESSAGES_DDL).alias("messages"),
+            "s.question_embedding", "s.answer_embedding", "metadata",
+        )
+        write_parquet(out, uris.join(staging_uri, "data"))
+        info["rows"] = n_ok
+        info["sentences"] = n_sent + 2 * n_ok  # texts embedded: context sentences + question + answer
+
+    counts = artifact_counts(n_in, staging)
+    extra = {
+        "schema": "enriched",
+        "columns": [*CONTRACT_COLUMNS, *EXTRA_COLUMNS],
+        "extra_columns": {"question_embedding": "array<float> unit vector of the question",
+                          "answer_embedding": "array<float> unit vector of the answer",
+                          "metadata": "the input record's metadata string"},
+        "embedding_model": e.embedding_model,
+        "embedding_dim": _embedding_dim(staging),
+        "source": source,
+        "stats": {"context_sentences": n_sent, "texts_embedded": n_sent + 2 * n_ok},
+    }
+    timer.total()
+    with timer.step("publish"):
+        manifest = publish(staging, output_uri, kind=KIND, config=config, counts=counts, storage=cfg.storage,
+                           timings=timer.timings, extra=extra)
+    rate = counts["in"] / max(timer.timings["total_s"], 1e-9)
+    log.info("[enrich] %d records in, %d out, %d rejected %s; %.1f records/s overall",
+             counts["in"], counts["out"], sum(counts["rejected"].values()), counts["rejected"], rate)
+    return manifest, norm
+
+
+def _embedding_dim(staging) -> int | None:
+    import pyarrow.parquet as pq
+
+    for p in sorted((staging / "data").rglob("*.parquet")):
+        col = pq.read_table(p, columns=["question_embedding"]).column(0)
+        if len(col):
+            return len(col[0].as_py())
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    setup_logging()
+    args = parse_stage_args(__doc__.strip().splitlines()[0], argv)
+    cfg = load_config(args.config)  # invalid settings fail here, before Spark starts
+    run(args.input, args.output, cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

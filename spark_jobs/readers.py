@@ -1,0 +1,147 @@
+"""Read raw Nemotron records into one row shape, whatever the source.
+
+Sources: the Nemotron v1/v2 Parquet layout (`data/{split}-*.parquet`, or the files at the top of
+the directory), JSON Lines (`*.jsonl` / `*.json`), a single file, an object-store prefix, or a
+Hugging Face hub dataset (`hf://datasets/<repo-id>[@revision]`, downloaded to staging first).
+Every source becomes the columns of `RAW_SCHEMA`; a line that is not a JSON object does not
+crash the job, it carries `read_error` and becomes a reject downstream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd  # module level: pandas_udf resolves its type hints in this module
+
+from pipeline_core import uris
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+
+log = logging.getLogger("spark_jobs.readers")
+
+STRING_FIELDS = ("uuid", "license", "generator", "version", "category", "reasoning", "metadata")
+RAW_SCHEMA = ", ".join(f"{f} string" for f in STRING_FIELDS) + ", messages_json string, raw string, read_error string"
+# The v1 `messages` type; v2 (no tool_calls) and JSON Lines records are read into it.
+MESSAGES_DDL = (
+    "array<struct<role:string,content:string,"
+    "tool_calls:array<struct<id:string,type:string,function:struct<name:string,arguments:string>>>>>"
+)
+EXTENSIONS = {"parquet": ("parquet",), "jsonl": ("jsonl", "json")}
+
+
+def glob_files(spark: SparkSession, pattern: str) -> list[str]:
+    """Files matching a Hadoop glob on any file system Spark can reach (file://, s3a://, hdfs://)."""
+    jvm = spark.sparkContext._jvm
+    path = jvm.org.apache.hadoop.fs.Path(pattern)
+    fs = path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    found = fs.globStatus(path) or []
+    return sorted(str(s.getPath().toString()) for s in found if s.isFile())
+
+
+def find_input_files(spark: SparkSession, input_uri: str, splits: list[str], fmt: str) -> tuple[str, list[str]]:
+    """(format, files). Split selection applies to files named `<split>-*`; a directory without such
+    names is read whole (with a warning)."""
+    base = uris.to_spark_uri(input_uri).rstrip("/")
+    formats = ["parquet", "jsonl"] if fmt == "auto" else [fmt]
+    tried = []
+    for f in formats:
+        exts = EXTENSIONS[f]
+        if base.endswith(tuple(f".{e}" for e in exts)):
+            return f, glob_files(spark, base)
+        for layout in ("data/", ""):
+            pats = [f"{base}/{layout}{s}-*.{e}" for s in splits for e in exts]
+            tried += pats
+            files = sorted({p for pat in pats for p in glob_files(spark, pat)})
+            if files:
+                return f, files
+        for layout in ("data/", ""):
+            pats = [f"{base}/{layout}*.{e}" for e in exts]
+            tried += pats
+            files = sorted({p for pat in pats for p in glob_files(spark, pat)})
+            if files:
+                log.warning("no files named <split>-*.%s under %s: reading all %d files, split selection %s "
+                            "does not apply", exts[0], input_uri, len(files), splits)
+                return f, files
+    raise FileNotFoundError(f"no input files for splits {splits} under {input_uri}; looked for {tried}")
+
+
+def download_hub_dataset(input_uri: str, splits: list[str], dest: Path) -> str:
+    """`hf://datasets/<repo-id>[@revision]` -> a local copy of the selected splits (file:// URI)."""
+    from huggingface_hub import snapshot_download
+
+    spec = input_uri[len("hf://datasets/"):] if input_uri.startswith("hf://datasets/") else None
+    if not spec:
+        raise ValueError(f"--input {input_uri!r}: hub datasets are written hf://datasets/<owner>/<name>[@revision]")
+    repo_id, _, revision = spec.partition("@")
+    patterns = [f"data/{s}-*.{e}" for s in splits for e in ("parquet", "jsonl")]
+    local = snapshot_download(repo_id=repo_id, repo_type="dataset", revision=revision or None,
+                              allow_patterns=patterns, local_dir=str(dest))
+    return uris.qualify(local)
+
+
+def parse_json_line(line: str) -> dict[str, Any]:
+    """One JSON Lines record -> the raw columns; never raises."""
+    out: dict[str, Any] = dict.fromkeys(STRING_FIELDS)
+    out.update(messages_json=None, raw=line, read_error=None)
+    try:
+        rec = json.loads(line)
+    except ValueError as e:
+        out["read_error"] = f"unparseable_json: {e}"
+        return out
+    if not isinstance(rec, dict):
+        out["read_error"] = f"not_an_object: a JSON {type(rec).__name__}"
+        return out
+    for f in STRING_FIELDS:
+        v = rec.get(f)
+        out[f] = v if v is None or isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+    if rec.get("messages") is not None:
+        out["messages_json"] = json.dumps(rec["messages"], ensure_ascii=False)
+    return out
+
+
+def _read_parquet(spark: SparkSession, files: list[str]) -> DataFrame:
+    from pyspark.sql import functions as F
+    from pyspark.sql.types import StringType
+
+    df = spark.read.option("mergeSchema", "true").parquet(*files)
+    cols = set(df.columns)
+    if "messages" not in cols:
+        raise ValueError(f"input Parquet has no 'messages' column (columns: {sorted(cols)}); not the Nemotron schema")
+    m = F.col("messages") if isinstance(df.schema["messages"].dataType, StringType) else F.to_json("messages")
+    fields = [(F.col(f).cast("string") if f in cols else F.lit(None).cast("string")).alias(f) for f in STRING_FIELDS]
+    return df.select(
+        *fields, m.alias("messages_json"), F.to_json(F.struct(*[F.col(c) for c in df.columns])).alias("raw"),
+        F.lit(None).cast("string").alias("read_error"),
+    )
+
+
+def _read_jsonl(spark: SparkSession, files: list[str]) -> DataFrame:
+    from pyspark.sql import functions as F
+    from pyspark.sql.functions import pandas_udf
+
+    @pandas_udf(RAW_SCHEMA)
+    def parse(lines: pd.Series) -> pd.DataFrame:
+        return pd.DataFrame([parse_json_line(x) for x in lines], columns=[*STRING_FIELDS, "messages_json", "raw", "read_error"])
+
+    lines = spark.read.text(files).where(F.trim("value") != "")  # blank lines are not records
+    return lines.select(parse("value").alias("r")).select("r.*")
+
+
+def read_records(spark: SparkSession, input_uri: str, splits: list[str], fmt: str = "auto",
+                 download_dir: Path | None = None) -> tuple[DataFrame, dict[str, Any]]:
+    """(records with the RAW_SCHEMA columns, a description of the source for the manifest)."""
+    source: dict[str, Any] = {"uri": input_uri}
+    if input_uri.startswith("hf://"):
+        if download_dir is None:
+            raise ValueError("reading a hub dataset needs a download directory")
+        input_uri = download_hub_dataset(input_uri, splits, download_dir)
+        source["downloaded_to"] = input_uri
+    fmt, files = find_input_files(spark, input_uri, splits, fmt)
+    source.update(format=fmt, files=files, splits=splits)
+    log.info("reading %d %s file(s) from %s", len(files), fmt, input_uri)
+    df = _read_parquet(spark, files) if fmt == "parquet" else _read_jsonl(spark, files)
+    return df, source
