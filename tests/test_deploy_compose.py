@@ -351,3 +351,20 @@ def test_project_services_run_as_the_image_user(services):
 def test_compose_binary_is_the_real_one():
     proc = run_compose("version")
     assert proc.returncode == 0 and re.search(r"v2\.\d+\.\d+", proc.stdout), proc.stdout
+
+
+def test_airflow_options_exist_in_airflow_3(services):
+    """A misspelt AIRFLOW__SECTION__KEY is silently ignored by Airflow; check each one is real."""
+    from airflow.configuration import retrieve_configuration_description
+
+    from tests._deploy_support import final_stage_env
+
+    known = retrieve_configuration_description()
+    names = {k for s in services.values() for k in (s.get("environment") or {}) if k.startswith("AIRFLOW__")}
+    names |= {k for k in final_stage_env() if k.startswith("AIRFLOW__")}
+    assert len(names) > 10
+    for name in sorted(names):
+        section, key = name[len("AIRFLOW__"):].lower().split("__", 1)
+        assert key in known.get(section, {}).get("options", {}), f"{name} is not an Airflow {section} option"
+    health = known["scheduler"]["options"]["scheduler_health_check_server_port"]["default"]
+    assert f"localhost:{health}/health" in " ".join(services["airflow-scheduler"]["healthcheck"]["test"])
