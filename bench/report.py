@@ -1,0 +1,69 @@
+"""Render the benchmark's JSON results (one file per row, from train_throughput.py) as a markdown
+table with ratios against the two baselines of the same run. Usage: ``report.py DIR [DIR...]``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def load_rows(dirs: list[str]) -> list[dict]:
+    rows = []
+    for d in dirs:
+        for f in sorted(Path(d).glob("row_*.json")):
+            rows.append(json.loads(f.read_text()))
+    return rows
+
+
+def fmt(x, spec: str, none: str = "–") -> str:
+    return none if x is None else format(x, spec)
+
+
+def settings_of(r: dict) -> str:
+    a = r["args"]
+    if r["setup"] == "pipeline":
+        s = (f"{a['stages']} stages, mb {a['micro_batch']} × m {a['grad_accum']}, attn {a['attention']}, "
+             f"kernels {a['kernels']}, ckpt {a['act_ckpt']}, {a['docs']} docs")
+    else:
+        s = (f"mb {a['micro_batch']}{' × ' + str(a['grad_accum']) if a['grad_accum'] > 1 else ''}, "
+             f"{a['hf_attention']}, window {a['sliding_window']}, ckpt {a['act_ckpt']}")
+    return s
+
+
+def table(rows: list[dict]) -> str:
+    base = {r["setup"]: r["tokens_per_s_per_gpu"] for r in rows if r["setup"] in ("hf_single", "hf_zero2")}
+    head = ("| setup | settings | tok/s/GPU | MFU | × 1-GPU HF | × ZeRO-2 HF | peak alloc GiB/GPU | tokens/kJ "
+            "| bubble+comm share (stage 0/1) | analytic bubble | data stall |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        tps = r["tokens_per_s_per_gpu"]
+        peak = r.get("peak_alloc_gib_max")
+        bub = r.get("bubble_share")
+        stall = r.get("data_stall_share")
+        lines.append(
+            f"| {r['label']} | {settings_of(r)} | {tps:,.0f} | {r['mfu']:.1%} "
+            f"| {fmt(tps / base['hf_single'] if 'hf_single' in base else None, '.2f')} "
+            f"| {fmt(tps / base['hf_zero2'] if 'hf_zero2' in base else None, '.2f')} "
+            f"| {fmt(peak, '.1f')} | {fmt(r.get('tokens_per_kj'), ',.0f')} "
+            f"| {' / '.join(f'{b:.1%}' for b in bub) if bub else '–'} "
+            f"| {fmt(r.get('analytic_bubble'), '.1%')} "
+            f"| {' / '.join(f'{s:.2%}' for s in stall) if stall else '–'} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__)
+        return 2
+    rows = load_rows(argv)
+    if not rows:
+        print("no row_*.json results found")
+        return 1
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# One command for the whole GPU benchmark on a 2-GPU machine (H200 x2 measured):
+#   bash bench/run_gpu_bench.sh [phase ...]      phases: checks baselines best causal levers (default: all)
+# Results: one JSON per row under $BENCH_OUT (default ./bench_out), a markdown table printed last.
+# Needs python3 with torch, transformers, deepspeed, liger-kernel (a folder of wheels in $WHEELS,
+# default .whl/, is installed to /tmp/site first when deepspeed is missing).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+BENCH_OUT=${BENCH_OUT:-bench_out}
+WHEELS=${WHEELS:-.whl}
+PY=${PYTHON:-python3}
+NGPU=${NGPU:-2}
+mkdir -p "$BENCH_OUT"
+
+# NVLink multicast stays off (shared hosts); DeepSpeed on CUDA; fewer allocator splits at ~100 GiB.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+
+if ! $PY -c "import deepspeed" 2>/dev/null && [ -d "$WHEELS" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+T=bench/train_throughput.py
+TR="$PY -m torch.distributed.run --standalone --nproc_per_node $NGPU"
+SEQ=4096
+STEPS=${STEPS:-8}
+WARMUP=${WARMUP:-2}
+
+row() {  # row NAME TIMEOUT_S LAUNCHER ARGS...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout -k 10 "$limit" "$@" --label "$name" --seq-len $SEQ --steps "$STEPS" --warmup "$WARMUP" \
+      --out "$BENCH_OUT/row_$name.json" > "$BENCH_OUT/log_$name.txt" 2>&1
+  local rc=$?
+  grep -E "^RESULT|Error|error:|OOM|out of memory" "$BENCH_OUT/log_$name.txt" | head -5
+  [ $rc -ne 0 ] && { echo "row $name: exit $rc"; tail -15 "$BENCH_OUT/log_$name.txt"; }
+  return 0
+}
+
+pipe() {  # pipe NAME TIMEOUT_S ARGS...   (the project's trainer, 2 stages)
+  local name=$1 limit=$2; shift 2
+  row "$name" "$limit" $TR $T --setup pipeline --stages 2 "$@"
+}
+
+phases=${*:-checks baselines best causal levers}
+for phase in $phases; do
+  case $phase in
+    env)
+      nvidia-smi --query-gpu=name,memory.total,power.limit,clocks.max.sm,driver_version --format=csv
+      nvidia-smi topo -m 2>/dev/null | head -5
+      ;;
+    checks)
+      echo "=== checks ($(date +%T))"
+      timeout -k 10 240 $PY bench/gpu_checks.py kernels --out "$BENCH_OUT" 2>&1 | grep -vE "Warning|warn\(" | tail -40
+      timeout -k 10 180 $TR bench/gpu_checks.py pipeline --steps 200 --out "$BENCH_OUT" 2>&1 \
+        | grep -E "PASS|FAIL|loss|Error" | tail -12
+      ;;
+    baselines)
+      row hf_single 240 $PY $T --setup hf_single --micro-batch 4 --act-ckpt 1
+      row hf_zero2 300 $TR $T --setup hf_zero2 --micro-batch 2 --act-ckpt 1
+      ;;
+    best)  # the trainer with its fastest settings, packed documents with the document mask
+      pipe pipe_best 330 --micro-batch 2 --grad-accum 32 --attention torch_varlen --kernels liger
+      ;;
+    causal)  # same, one plain causal document per row: what the document mask costs (or saves)
+      pipe pipe_best_causal 330 --micro-batch 2 --grad-accum 32 --attention torch_varlen --kernels liger --docs causal
+      ;;
+    levers)  # one lever off at a time, 16 micro-batches to fit the lease
+      pipe lever_m16 240 --micro-batch 2 --grad-accum 16 --attention torch_varlen --kernels liger
+      pipe lever_m16_no_liger 240 --micro-batch 2 --grad-accum 16 --attention torch_varlen --kernels none
+      pipe lever_m16_mb1 240 --micro-batch 1 --grad-accum 32 --attention torch_varlen --kernels liger
+      pipe lever_m16_ckpt 240 --micro-batch 2 --grad-accum 16 --attention torch_varlen --kernels liger --act-ckpt 1
+      ;;
+    *) echo "unknown phase $phase"; exit 2 ;;
+  esac
+done
+echo "=== table"
+$PY bench/report.py "$BENCH_OUT"
