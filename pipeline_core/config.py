@@ -136,18 +136,30 @@ class EnrichSection(Section):
 
 
 class FilterSection(Section):
-    """Similarity filter, deduplication, split, tokenize and pack."""
+    """Similarity filter, deduplication, split, tokenize and pack (spark_jobs/similarity_filter.py)."""
 
-    min_qa_similarity: float = Field(0.2, ge=-1.0, le=1.0)
-    near_dup_threshold: float = Field(0.95, ge=0.5, le=1.0)
-    min_tokens: int = Field(4, ge=1)
-    max_tokens: int = Field(4096, ge=8)
-    val_fraction: float = Field(0.05, ge=0.0, lt=1.0)
-    seq_len: int = Field(1024, ge=32, le=131_072)
+    min_qa_similarity: float = Field(0.2, ge=-1.0, le=1.0, description="Drop pairs with question-answer cosine below this")
+    exact_dedup: bool = Field(True, description="Drop exact duplicates (hash of normalised prompt and answer text)")
+    near_dup_threshold: float | None = Field(
+        0.9, ge=0.5, le=1.0,
+        description="Near duplicates: mean of question and answer cosine >= this (null = off); paraphrases score ~0.92-0.98",
+    )
+    lsh_bands: int = Field(32, ge=1, le=512, description="LSH bands (more = higher recall, more candidates)")
+    lsh_rows_per_band: int = Field(16, ge=1, le=62, description="Sign bits per band (more = fewer, purer candidates)")
+    lsh_max_leaders: int = Field(32, ge=1, le=100_000, description="Per bucket, members are compared with this many smallest keys")
+    lsh_seed: int = 0
+    min_answer_tokens: int = Field(1, ge=0, description="Drop answers shorter than this (tokens, without </s>)")
+    max_tokens: int = Field(4096, ge=8, description="Drop records whose prompt + answer exceeds this (tokens)")
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of record ids in the validation split")
+    seq_len: int = Field(1024, ge=32, le=131_072, description="Tokens per packed row; must equal train.seq_len")
     tokenizer: str = Field("mistral-v1", description="'mistral-v1', 'mistral-v3', or an HF tokenizer path/id")
-    overflow: Literal["truncate", "reject"] = "reject"
-    train_on_reasoning: bool = False
-    seed: int = 1234
+    overflow: Literal["truncate", "reject"] = Field(
+        "reject", description="A record longer than seq_len: reject it, or cut its answer's tail (counted)"
+    )
+    train_on_reasoning: bool = Field(False, description="Put the <think> trace before the answer and train on it")
+    seed: int = Field(1234, description="Seed of the train/val split hash")
+    pack_buffer_docs: int = Field(20_000, ge=1, le=10_000_000, description="Documents packed together (best-fit decreasing)")
+    shard_tokens: int = Field(1 << 25, ge=1024, description="Target tokens per output parquet file")
 
 
 class TrainSection(Section):

@@ -1,0 +1,115 @@
+"""Exact and semantic near-duplicate detection that scales with the number of rows.
+
+Exact duplicates: same hash of the normalised text (lower-cased, whitespace collapsed) of
+prompt and answer; the record with the smallest key is kept.
+
+Near duplicates: two records are near duplicates when the mean of their question cosine and
+answer cosine (= the cosine of the concatenated, normalised [question; answer] embeddings, over 2)
+is >= the threshold. No all-pairs join: random-hyperplane LSH (SimHash) puts each record in
+`bands` buckets of `rows_per_band` sign bits; only records sharing a bucket are compared, and
+inside a bucket every member is compared with the bucket's `max_leaders` smallest keys, so work
+stays linear in the rows even when a bucket is huge. A record is dropped when a record with a
+smaller key is its near duplicate: deterministic, independent of partitioning and order (a chain
+a~b~c with a !~ c drops both b and c; each reject names the record it duplicates).
+
+Collision probability per band for cosine c is (1 - arccos(c)/pi) ** rows_per_band; defaults
+(32 bands x 16 bits) find ~94% of pairs at cosine 0.9 and ~100% above 0.95 in one pass.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pandas as pd
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+from pyspark.sql.types import ArrayType, LongType
+
+EXACT_DUPLICATE = "exact_duplicate"
+NEAR_DUPLICATE = "near_duplicate"
+
+
+def normalised_text(col: Column) -> Column:
+    return F.trim(F.regexp_replace(F.lower(F.coalesce(col, F.lit(""))), r"\s+", " "))
+
+
+def text_hash(*cols: Column) -> Column:
+    """sha256 of the normalised texts, \\u0001-separated (a field boundary cannot be faked by text)."""
+    return F.sha2(F.concat_ws("\u0001", *[normalised_text(c) for c in cols]), 256)
+
+
+def mark_exact_duplicates(df: DataFrame, *, key: str, hash_col: str, eligible: Column) -> DataFrame:
+    """Adds `_exact_rep` (id of the kept record) to eligible rows that duplicate an eligible row with a
+    smaller key; null elsewhere. Ineligible rows never act as representatives."""
+    w = Window.partitionBy(hash_col).orderBy(F.when(eligible, 0).otherwise(1), F.col(key))
+    first_id = F.first("id").over(w)
+    first_ok = F.first(eligible).over(w)
+    is_dup = eligible & first_ok & (F.row_number().over(w) > 1)
+    return df.withColumn("_exact_rep", F.when(is_dup, first_id))
+
+
+@functools.lru_cache(maxsize=4)
+def _hyperplanes(dim: int, n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((dim, n)).astype(np.float32)
+
+
+def _signature_udf(bands: int, rows_per_band: int, seed: int):
+    weights = (np.int64(1) << np.arange(rows_per_band, dtype=np.int64)).astype(np.int64)
+
+    @F.pandas_udf(ArrayType(LongType()))
+    def signature(vecs: pd.Series) -> pd.Series:
+        if len(vecs) == 0:
+            return pd.Series([], dtype=object)
+        m = np.stack([np.asarray(v, dtype=np.float32) for v in vecs])
+        bits = (m @ _hyperplanes(m.shape[1], bands * rows_per_band, seed)) > 0
+        codes = bits.reshape(len(m), bands, rows_per_band).astype(np.int64) @ weights
+        return pd.Series(list(codes))
+
+    return signature
+
+
+def _dot(a: Column, b: Column) -> Column:
+    return F.aggregate(F.zip_with(a, b, lambda x, y: x.cast("double") * y.cast("double")), F.lit(0.0), lambda acc, x: acc + x)
+
+
+def find_near_duplicates(
+    df: DataFrame,
+    *,
+    key: str,
+    vec: str,
+    threshold: float,
+    bands: int,
+    rows_per_band: int,
+    max_leaders: int,
+    seed: int,
+) -> DataFrame:
+    """(key, `_near_rep` id of the smallest-key near duplicate, `_near_sim`) for every record that has one.
+    `vec` holds the concatenated unit-norm question and answer embeddings."""
+    sig = _signature_udf(bands, rows_per_band, seed)
+    buckets = df.select(F.col(key), F.posexplode(sig(F.col(vec))).alias("_band", "_code"))
+    w = Window.partitionBy("_band", "_code")
+    buckets = (
+        buckets.withColumn("_n", F.count(F.lit(1)).over(w))
+        .filter(F.col("_n") > 1)
+        .withColumn("_rank", F.row_number().over(w.orderBy(key)))
+    )
+    leaders = buckets.filter(F.col("_rank") <= max_leaders).select(
+        "_band", "_code", F.col(key).alias("_lkey"), F.col("_rank").alias("_lrank")
+    )
+    pairs = (
+        buckets.join(leaders, ["_band", "_code"])
+        .filter(F.col("_lrank") < F.col("_rank"))
+        .select("_lkey", key)
+        .distinct()
+    )
+    left = df.select(F.col(key).alias("_lkey"), F.col("id").alias("_lid"), F.col(vec).alias("_lvec"))
+    right = df.select(key, vec)
+    sims = (
+        pairs.join(left, "_lkey")
+        .join(right, key)
+        .select(key, "_lkey", "_lid", (_dot(F.col("_lvec"), F.col(vec)) / 2.0).alias("_sim"))
+        .filter(F.col("_sim") >= threshold)
+    )
+    best = sims.groupBy(key).agg(F.min(F.struct("_lkey", "_lid", "_sim")).alias("_m"))
+    return best.select(key, F.col("_m._lid").alias("_near_rep"), F.col("_m._sim").alias("_near_sim"))
