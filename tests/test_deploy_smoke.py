@@ -1,0 +1,118 @@
+"""The stack's commands run for real where they can without Docker: the Spark master and worker
+start from the compose commands (loopback and free ports substituted for the service names),
+answer their health checks, and the worker registers with the master URL the compose file gives
+it. The API server's health check path is one the installed Airflow serves without auth."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests._deploy_support import compose_model, service_argv, venv_bin
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _swap(argv: list[str], flag: str, value: str) -> list[str]:
+    out = list(argv)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+def _get_json(url: str, deadline: float, procs: list[subprocess.Popen]) -> dict:
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        dead = [p.args[1] for p in procs if p.poll() is not None]
+        assert not dead, f"{dead} exited early"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                return json.loads(r.read())
+        except Exception as e:  # not up yet
+            last = e
+            time.sleep(1)
+    raise AssertionError(f"{url} did not answer: {last}")
+
+
+def _health_path(service: dict, port: int) -> str:
+    test = service["healthcheck"]["test"]
+    url = next(w for w in test if w.startswith("http://localhost:"))
+    container_port = url.split(":")[2].split("/")[0]
+    return url.replace(f"localhost:{container_port}", f"127.0.0.1:{port}")
+
+
+@pytest.mark.slow
+def test_spark_master_and_worker_start_and_register(tmp_path):
+    services = compose_model()["services"]
+    master_svc, worker_svc = services["spark-master"], services["spark-worker"]
+    port, ui, wui = _free_port(), _free_port(), _free_port()
+    spark_class = str(venv_bin("spark-class"))
+
+    master = service_argv(master_svc)
+    assert master[0] == "spark-class"
+    master = _swap(_swap(_swap(master, "--host", "127.0.0.1"), "--port", str(port)), "--webui-port", str(ui))
+    worker = service_argv(worker_svc)
+    master_url = f"spark://{master_svc['command'][3]}:{master_svc['command'][5]}"
+    assert master_url in worker, "the worker must join the master the compose file starts"
+    worker[worker.index(master_url)] = f"spark://127.0.0.1:{port}"
+    worker = _swap(_swap(_swap(worker, "--cores", "1"), "--memory", "512m"), "--webui-port", str(wui))
+    worker += ["--work-dir", str(tmp_path / "work"), "--host", "127.0.0.1"]
+
+    import pyspark
+
+    # as in the image, SPARK_HOME points at the pyspark package (spark-class needs it)
+    env = {**os.environ, "SPARK_HOME": str(Path(pyspark.__file__).parent), "SPARK_LOCAL_IP": "127.0.0.1", "SPARK_LOG_DIR": str(tmp_path),
+           "SPARK_DAEMON_MEMORY": "256m", "SPARK_NO_DAEMONIZE": "true"}
+    procs = []
+    try:
+        for argv, name in ((master, "master"), (worker, "worker")):
+            log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+            procs.append(subprocess.Popen([spark_class, *argv[1:]], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        deadline = time.monotonic() + 150
+        status = _get_json(_health_path(master_svc, ui), deadline, procs)
+        _get_json(_health_path(worker_svc, wui), deadline, procs)  # the worker's health check answers
+        # the master answers STANDBY until it has recovered, then ALIVE with the worker registered
+        while time.monotonic() < deadline and (status["status"] != "ALIVE" or status.get("aliveworkers", 0) < 1):
+            time.sleep(1)
+            status = _get_json(_health_path(master_svc, ui), deadline, procs)
+        assert status["status"] == "ALIVE" and status["url"] == f"spark://127.0.0.1:{port}", status
+        assert status["aliveworkers"] == 1, status
+        worker_status = _get_json(_health_path(worker_svc, wui), deadline, procs)
+        assert worker_status["masterurl"] == f"spark://127.0.0.1:{port}", worker_status
+    except AssertionError:
+        for name in ("master", "worker"):
+            print(name, (tmp_path / f"{name}.log").read_text()[-3000:])
+        raise
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def test_api_server_health_check_is_public():
+    import airflow.api_fastapi.core_api as core_api
+
+    spec = yaml.safe_load((Path(core_api.__file__).parent / "openapi" / "v2-rest-api-generated.yaml").read_text())
+    test = compose_model()["services"]["airflow-apiserver"]["healthcheck"]["test"]
+    path = "/" + next(w for w in test if w.startswith("http://localhost:")).split("/", 3)[3]
+    operation = spec["paths"][path]["get"]
+    assert not operation.get("security"), f"{path} needs auth; a health check cannot log in"
