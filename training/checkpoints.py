@@ -78,6 +78,25 @@ def fetch_newest_valid(run_uri: str, storage, local_root: Path) -> Restored | No
     return None
 
 
+def delete_checkpoint(run_uri: str, step: int, storage) -> None:
+    uri = layout.checkpoint_uri(run_uri, step)
+    store, key = open_store(uri, storage)
+    # manifest first: the checkpoint stops existing before its files go
+    store.delete(f"{key.rstrip('/')}/_manifest.json")
+    store.delete_prefix(key.rstrip("/") + "/")
+
+
+def discard_after(run_uri: str, storage, step: int, restored_uri: str | None) -> None:
+    """Drop every checkpoint newer than the one resumed from (skipped as corrupt/partial, or from
+    a timeline that is about to be redone) and point LATEST at what was restored."""
+    for s in store_steps(run_uri, storage):
+        if s > step:
+            delete_checkpoint(run_uri, s, storage)
+            log.info("discarded checkpoint %s (newer than the resume point)", layout.checkpoint_uri(run_uri, s))
+    if restored_uri is not None:
+        write_latest(layout.checkpoints_uri(run_uri), restored_uri, storage, replace=True)
+
+
 class CheckpointUploader:
     """One background thread (on one rank) that pushes checkpoints in order."""
 
@@ -129,12 +148,9 @@ class CheckpointUploader:
         keep = set(committed[: self.keep_last])
         for step in store_steps(self.run_uri, self.storage):
             if step < newest and step not in keep:
-                uri = layout.checkpoint_uri(self.run_uri, step)
-                store, key = open_store(uri, self.storage)
-                # manifest first: the checkpoint stops existing before its files go
-                store.delete(f"{key.rstrip('/')}/_manifest.json")
-                store.delete_prefix(key.rstrip("/") + "/")
-                log.info("pruned checkpoint %s (keep_last=%d)", uri, self.keep_last)
+                delete_checkpoint(self.run_uri, step, self.storage)
+                log.info("pruned checkpoint %s (keep_last=%d)", layout.checkpoint_uri(self.run_uri, step),
+                         self.keep_last)
 
 
 def run_id_of(run_uri: str) -> str:

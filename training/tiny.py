@@ -28,7 +28,7 @@ def save_mistral_tokenizer(out_dir: Path) -> None:
 
     with tempfile.TemporaryDirectory() as src:
         shutil.copy(mistral_v1_tokenizer_file(), Path(src) / "tokenizer.model")
-        LlamaTokenizer.from_pretrained(src).save_pretrained(str(out_dir))
+        LlamaTokenizer.from_pretrained(src, add_bos_token=True, add_eos_token=False).save_pretrained(str(out_dir))
     shutil.copy(mistral_v1_tokenizer_file(), out_dir / "tokenizer.model")
 
 

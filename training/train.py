@@ -296,6 +296,8 @@ class Trainer:
         restored = None
         if self.rank == 0:
             restored = ckpt.fetch_newest_valid(plan.run_uri, self.storage, plan.staging / "resume")
+            ckpt.discard_after(plan.run_uri, self.storage, restored.step if restored else 0,
+                               restored.uri if restored else None)
         restored = broadcast(restored)
         start_step, position = 0, 0
         if restored is not None:
