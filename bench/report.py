@@ -34,7 +34,7 @@ def settings_of(r: dict) -> str:
 def table(rows: list[dict]) -> str:
     base = {r["setup"]: r["tokens_per_s_per_gpu"] for r in rows if r["setup"] in ("hf_single", "hf_zero2")}
     head = ("| setup | settings | tok/s/GPU | MFU | × 1-GPU HF | × ZeRO-2 HF | peak alloc GiB/GPU | tokens/kJ "
-            "| bubble+comm share (stage 0/1) | analytic bubble | data stall |")
+            "| bubble+comm share (stage 0/1) | analytic bubble | data-load share (GPU) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         tps = r["tokens_per_s_per_gpu"]

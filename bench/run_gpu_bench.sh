@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for the whole GPU benchmark on a 2-GPU machine (H200 x2 measured):
-#   bash bench/run_gpu_bench.sh [phase ...]      phases: checks baselines best causal levers (default: all)
+#   bash bench/run_gpu_bench.sh [phase ...]      phases: env checks baselines best causal levers levers2
+#   (default: all but env; about 20 minutes on 2 x H200)
 # Results: one JSON per row under $BENCH_OUT (default ./bench_out), a markdown table printed last.
 # Needs python3 with torch, transformers, deepspeed, liger-kernel (a folder of wheels in $WHEELS,
 # default .whl/, is installed to /tmp/site first when deepspeed is missing).
@@ -47,7 +48,7 @@ pipe() {  # pipe NAME TIMEOUT_S ARGS...   (the project's trainer, 2 stages)
   row "$name" "$limit" $TR $T --setup pipeline --stages 2 "$@"
 }
 
-phases=${*:-checks baselines best causal levers}
+phases=${*:-checks baselines best causal levers levers2}
 for phase in $phases; do
   case $phase in
     env)
@@ -70,11 +71,16 @@ for phase in $phases; do
     causal)  # same, one plain causal document per row: what the document mask costs (or saves)
       pipe pipe_best_causal 330 --micro-batch 2 --grad-accum 32 --attention torch_varlen --kernels liger --docs causal
       ;;
-    levers)  # one lever off at a time, 16 micro-batches to fit the lease
+    levers)  # one lever changed at a time against lever_m16 (16 micro-batches, to fit the lease)
       pipe lever_m16 240 --micro-batch 2 --grad-accum 16 --attention torch_varlen --kernels liger
       pipe lever_m16_no_liger 240 --micro-batch 2 --grad-accum 16 --attention torch_varlen --kernels none
-      pipe lever_m16_mb1 240 --micro-batch 1 --grad-accum 32 --attention torch_varlen --kernels liger
+      pipe lever_m16_sdpa_dense 240 --micro-batch 2 --grad-accum 16 --attention sdpa --kernels none
       pipe lever_m16_ckpt 240 --micro-batch 2 --grad-accum 16 --attention torch_varlen --kernels liger --act-ckpt 1
+      ;;
+    levers2)
+      pipe lever_mb1_m32 240 --micro-batch 1 --grad-accum 32 --attention torch_varlen --kernels liger
+      pipe lever_mb3_m22 300 --micro-batch 3 --grad-accum 22 --attention torch_varlen --kernels liger
+      row hf_single_no_window 240 $PY $T --setup hf_single --micro-batch 4 --act-ckpt 1 --sliding-window none
       ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac
