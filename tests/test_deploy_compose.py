@@ -251,7 +251,7 @@ def test_pipeline_stage_files_exist():
                 "training/train.py", "training/ds_config.json"):
         assert (REPO / rel).is_file(), f"{rel} is missing"
     assert Path(settings.spark_app_dir) == REPO / "spark_jobs"
-    assert 'dag_id="mistral_finetune"' in (REPO / "dags/mistral_finetune.py").read_text().replace("'", '"')
+    assert '"mistral_finetune"' in (REPO / "dags/mistral_finetune.py").read_text().replace("'", '"')
 
 
 def _service_env(services, name) -> dict[str, str]:
