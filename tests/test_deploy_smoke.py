@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -116,3 +117,32 @@ def test_api_server_health_check_is_public():
     path = "/" + next(w for w in test if w.startswith("http://localhost:")).split("/", 3)[3]
     operation = spec["paths"][path]["get"]
     assert not operation.get("security"), f"{path} needs auth; a health check cannot log in"
+
+
+def test_airflow_init_sets_the_admin_password_the_api_server_uses(tmp_path):
+    """Run airflow-init's password step, then let the real SimpleAuthManager start on that file:
+    the admin keeps the password from .env (no generated one) and it is what login checks."""
+    services = compose_model()["services"]
+    init = services["airflow-init"]
+    script = init["command"][2].replace("\\\n", " ")
+    step = next(line for line in script.splitlines() if "passwords.json" in line)
+    target = init["environment"]["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]
+    pw_file = tmp_path / "passwords.json"
+    step = step.replace(target, str(pw_file))
+    env = {**os.environ, "AIRFLOW_ADMIN_USER": "admin", "AIRFLOW_ADMIN_PASSWORD": "s3cret-from-env"}
+    subprocess.run(["bash", "-ec", "umask 077; " + step], env=env, check=True, timeout=60)
+    assert oct(pw_file.stat().st_mode & 0o777) == "0o600"
+
+    api_env = services["airflow-apiserver"]["environment"]
+    check = (
+        "from airflow.api_fastapi.auth.managers.simple.simple_auth_manager import SimpleAuthManager as M\n"
+        "m = M(); m.init()\n"
+        "users = [u.username for u in M.get_users()]\n"
+        "assert users == ['admin'], users\n"
+        "assert M.get_passwords() == {'admin': 's3cret-from-env'}, M.get_passwords()\n"
+    )
+    env = {**os.environ, "AIRFLOW_HOME": str(tmp_path),
+           "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": api_env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"],
+           "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(pw_file)}
+    proc = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
