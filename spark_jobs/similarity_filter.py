@@ -282,6 +282,7 @@ def run(input_uri: str, output_uri: str, cfg: Config, spark=None) -> Manifest:
             _rename_parts(out_dir / "rejects")
 
         splits: dict[str, dict[str, Any]] = {}
+        seq_len, pad_id, buffer_docs = fcfg.seq_len, tok.pad_id, fcfg.pack_buffer_docs  # plain values for the closure
         for split, row in kept.items():
             n_docs = row["n"] if row else 0
             doc_tokens = int(row["tokens"]) if row else 0
@@ -289,7 +290,7 @@ def run(input_uri: str, output_uri: str, cfg: Config, spark=None) -> Manifest:
             part = (docs.filter((F.col("split") == split) & F.col("reason").isNull()).select("key", "input_ids", "labels")
                     .repartition(n_parts, "key").sortWithinPartitions("key"))
             dest = out_dir / "data" / split
-            (part.mapInPandas(lambda it: pack_partitions(it, fcfg.seq_len, tok.pad_id, fcfg.pack_buffer_docs), ROW_SCHEMA)
+            (part.mapInPandas(lambda it: pack_partitions(it, seq_len, pad_id, buffer_docs), ROW_SCHEMA)
              .write.mode("overwrite").parquet(uris.qualify(dest)))
             files = _rename_parts(dest)
             n_rows = spark.read.parquet(uris.qualify(dest)).count()
