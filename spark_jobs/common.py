@@ -34,7 +34,16 @@ REJECT_COLUMNS = ("id", "stage", "reason", "raw")
 
 
 def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    """INFO from the project's loggers to stderr (the driver's log). Explicit handlers: under
+    spark-submit the root logger is already configured, so basicConfig would do nothing."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("spark_jobs", "pipeline_core"):
+        lg = logging.getLogger(name)
+        if not lg.handlers:
+            lg.addHandler(handler)
+        lg.setLevel(logging.INFO)
+        lg.propagate = False
 
 
 def parse_stage_args(description: str, argv: Sequence[str] | None = None) -> argparse.Namespace:

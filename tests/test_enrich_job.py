@@ -1,0 +1,212 @@
+"""The enrich Spark job end to end: real Spark (local[2]), the real MiniLM, the real S3 server,
+and the real spark-submit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline_core import sample_data, uris
+from pipeline_core.artifacts import ArtifactConflict, read_manifest, verify_artifact
+from pipeline_core.config import load_config
+from spark_jobs import enrich
+from spark_jobs.common import parse_stage_args
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "sample_data" / "nemotron_v1"
+CONTRACT = {
+    "id": pa.string(), "category": pa.string(), "reasoning": pa.string(), "question": pa.string(),
+    "answer": pa.string(), "reasoning_trace": pa.string(), "context_sentences": pa.list_(pa.string()),
+    "relevant_sentences": pa.list_(pa.struct([("text", pa.string()), ("index", pa.int32()), ("score", pa.float64())])),
+    "sim_context_question": pa.float64(), "sim_context_answer": pa.float64(), "sim_question_answer": pa.float64(),
+    "question_embedding": pa.list_(pa.float32()), "answer_embedding": pa.list_(pa.float32()),
+}
+
+
+def _cfg(tmp: Path, **enrich_overrides):
+    return load_config(env={}, overrides={
+        "pipeline.staging_uri": uris.qualify(tmp / "staging"),
+        "enrich": {"spark_master": "local[2]", "shuffle_partitions": 2, **enrich_overrides},
+    })
+
+
+@pytest.fixture(scope="module")
+def spark():
+    from spark_jobs.common import spark_session
+
+    s = spark_session("test-enrich", "local[2]", 2, {"spark.sql.execution.arrow.maxRecordsPerBatch": "512",
+                                                      "spark.ui.enabled": "false"})
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def sample_run(spark, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("enrich")
+    cfg = _cfg(tmp)
+    out = uris.join(uris.qualify(tmp / "store"), "datasets", "sample", "enriched", "x")
+    manifest = enrich.run(uris.qualify(SAMPLE), out, cfg, spark=spark)
+    root = uris.to_local_path(out)
+    return {
+        "cfg": cfg, "tmp": tmp, "out": out, "manifest": manifest,
+        "data": ds.dataset(root / "data", format="parquet").to_table(),
+        "rejects": ds.dataset(root / "rejects", format="parquet").to_table(),
+        "records": [r for rs in sample_data.generate(300, 0).values() for r in rs],
+    }
+
+
+def test_artifact_follows_the_contract(sample_run):
+    data, m = sample_run["data"], sample_run["manifest"]
+    for name, typ in CONTRACT.items():
+        assert data.schema.field(name).type == typ, name
+    assert data.schema.field("messages").type == sample_data.arrow_schema().field("messages").type
+    assert m.kind == "enriched" and m.extra["embedding_dim"] == 384
+    assert set(m.extra["extra_columns"]) == {"question_embedding", "answer_embedding", "metadata"}
+    assert sample_run["rejects"].column_names == ["id", "stage", "reason", "raw"]
+    verify_artifact(sample_run["out"])  # every file present with its manifest's sha256
+    ids = data.column("id").to_pylist()
+    assert len(ids) == len(set(ids))
+    assert not any(uris.to_local_path(sample_run["cfg"].pipeline.staging_uri).rglob("*.parquet"))  # staging cleaned
+
+
+def test_every_record_is_accounted_for_with_its_reason(sample_run):
+    m, data, rejects, records = (sample_run[k] for k in ("manifest", "data", "rejects", "records"))
+    c = m.counts
+    assert c["in"] == len(records) == c["out"] + sum(c["rejected"].values())
+    assert c["out"] == data.num_rows and sum(c["rejected"].values()) == rejects.num_rows
+    expected = {}
+    for r in records:
+        reason = json.loads(r["metadata"])["sample"]["expected"].get("reject_reason")
+        if reason:
+            expected[r["uuid"]] = reason
+    got = dict(zip(rejects.column("id").to_pylist(), rejects.column("reason").to_pylist(), strict=True))
+    assert got == expected
+    assert set(rejects.column("stage").to_pylist()) == {"enrich"}
+    raw = json.loads(rejects.filter(pa.compute.equal(rejects.column("reason"), "unknown_role")).column("raw")[0].as_py())
+    assert raw["messages"][1]["role"] == "narrator"  # the original record is kept
+
+
+def test_crafted_records_question_answer_and_relevant_context(sample_run):
+    rows = {r["id"]: r for r in sample_run["data"].to_pylist()}
+    langs, mismatched, matched = set(), [], []
+    for r in sample_run["records"]:
+        s = json.loads(r["metadata"])["sample"]
+        exp, o = s["expected"], rows.get(r["uuid"])
+        if o is None:
+            continue
+        for key in ("question", "answer", "reasoning_trace"):
+            if key in exp:
+                assert o[key] == exp[key], (key, s)
+        if s["kind"] == "context_selection":
+            best = max(o["relevant_sentences"], key=lambda x: x["score"])
+            assert best["text"] == exp["relevant"][0], (exp["lang"], o["relevant_sentences"])
+            assert o["context_sentences"][best["index"]] == best["text"]
+            idx = [x["index"] for x in o["relevant_sentences"]]
+            assert idx == sorted(idx) and len(idx) <= 5
+            langs.add(exp["lang"])
+            assert o["sim_context_question"] is not None
+        if s["kind"] == "chat_single":
+            assert o["sim_context_question"] is None and o["relevant_sentences"] == []
+        if s["kind"] == "mismatch":
+            mismatched.append(o["sim_question_answer"])
+        if s["kind"] in ("chat_single", "context_selection"):
+            matched.append(o["sim_question_answer"])
+        assert o["messages"] == r["messages"]
+    assert langs == {"en", "de", "fr", "es", "zh", "ja"}
+    assert max(mismatched) < 0.2 < min(matched)
+
+
+def test_rerun_does_no_work_and_another_config_is_refused(sample_run, monkeypatch):
+    out, cfg = sample_run["out"], sample_run["cfg"]
+    root = uris.to_local_path(out)
+    before = {p: p.stat().st_mtime_ns for p in root.rglob("*")}
+
+    def no_spark(*a, **k):
+        raise AssertionError("a committed artifact must not start Spark")
+
+    monkeypatch.setattr(enrich, "spark_session", no_spark)
+    monkeypatch.setattr(enrich, "staging_for", no_spark)
+    again = enrich.run(uris.qualify(SAMPLE), out, cfg)
+    assert again.sha256 == sample_run["manifest"].sha256
+    assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before
+    with pytest.raises(ArtifactConflict, match="already committed with config"):
+        enrich.run(uris.qualify(SAMPLE), out, _cfg(sample_run["tmp"], top_k=2))
+
+
+def test_bare_paths_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="bare path"):
+        enrich.run(uris.qualify(SAMPLE), "relative/out", _cfg(tmp_path))
+    with pytest.raises(SystemExit):
+        parse_stage_args("x", ["--input", str(SAMPLE), "--output", "file:///tmp/x"])
+    a = parse_stage_args("x", ["--input", uris.qualify(SAMPLE), "--output", "s3://b/k"])
+    assert a.input.startswith("file:///") and a.output == "s3://b/k"
+
+
+def _v2_dir(root: Path) -> Path:
+    """Nemotron v2-style Parquet (no tool_calls, no metadata) under names the job has never seen."""
+    recs = sample_data.generate(60, 7)
+    rows = []
+    for r in recs["chat"] + recs["math"]:
+        msgs = None if r["messages"] is None else [{"role": x["role"], "content": x["content"]} for x in r["messages"]]
+        rows.append({k: r[k] for k in ("uuid", "license", "generator", "version", "category", "reasoning")} | {"messages": msgs})
+    root.mkdir(parents=True)
+    half = len(rows) // 2
+    pq.write_table(pa.Table.from_pylist(rows[:half]), root / "part-a.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[half:]), root / "part-b.parquet")
+    return root
+
+
+def test_unseen_v2_parquet_directory_published_to_s3(spark, s3_server, s3_bucket_uri, tmp_path):
+    src = _v2_dir(tmp_path / "unseen")
+    n = sum(pq.read_metadata(p).num_rows for p in src.glob("*.parquet"))
+    cfg = load_config(env={}, overrides={
+        "pipeline.staging_uri": uris.qualify(tmp_path / "staging"),
+        "storage": {"endpoint_url": s3_server.endpoint, "max_attempts": 3},
+        "enrich": {"spark_master": "local[2]", "shuffle_partitions": 2},
+    })
+    out = uris.join(s3_bucket_uri, "datasets", "v2", "enriched", "abc")
+    m = enrich.run(uris.qualify(src), out, cfg, spark=spark)
+    assert m.counts["in"] == n == m.counts["out"] + sum(m.counts["rejected"].values())
+    assert m.counts["rejected"] and m.counts["out"] > 0
+    again = read_manifest(out, cfg.storage)
+    assert again is not None and again.sha256 == m.sha256
+    verify_artifact(out, cfg.storage)
+    local = tmp_path / "fetched"
+    from pipeline_core.artifacts import fetch_artifact
+
+    fetch_artifact(out, local, cfg.storage, prefix="data/")
+    t = ds.dataset(local / "data", format="parquet").to_table()
+    assert t.num_rows == m.counts["out"]
+    assert all(x["tool_calls"] is None for ms in t.column("messages").to_pylist() for x in ms)
+
+
+def test_spark_submit_on_json_lines_with_broken_lines(tmp_path):
+    recs = sample_data.generate(40, 5)["tool"][:12]
+    src = tmp_path / "jsonl"
+    sample_data.write_jsonl(recs, src / "data" / "tool-00000-of-00001.jsonl")
+    cfg = _cfg(tmp_path, input_format="jsonl", splits=["tool"])
+    cfg_file = cfg.dump(tmp_path / "config.yaml")
+    out = uris.qualify(tmp_path / "store" / "enriched")
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    spark_submit = Path(sys.executable).parent / "spark-submit"
+    p = subprocess.run(
+        [str(spark_submit), "--master", "local[2]", str(REPO / "spark_jobs" / "enrich.py"),
+         "--input", uris.qualify(src), "--output", out, "--config", str(cfg_file)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    log = p.stdout + p.stderr  # spark-submit relays the Python driver's stderr on its stdout
+    assert p.returncode == 0, log[-4000:]
+    assert "[enrich] embed+score+write done" in log and "records/s overall" in log
+    m = read_manifest(out)
+    assert m is not None and m.extra["source"]["format"] == "jsonl"
+    rejected = m.counts["rejected"]
+    assert rejected.get("unparseable_json") == 2 and rejected.get("not_an_object") == 1
+    assert m.counts["in"] == len(recs) + sample_data.BROKEN_JSONL_LINES == m.counts["out"] + sum(rejected.values())
