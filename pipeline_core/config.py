@@ -138,6 +138,10 @@ class EnrichSection(Section):
 class FilterSection(Section):
     """Similarity filter, deduplication, split, tokenize and pack (spark_jobs/similarity_filter.py)."""
 
+    spark_master: str = "local[*]"
+    shuffle_partitions: int = Field(8, ge=1, le=100_000)
+    arrow_batch_rows: int = Field(2048, ge=1, le=100_000, description="records per Arrow batch into the tokenizer")
+    spark_conf: dict[str, str] = Field(default_factory=dict, description="extra Spark settings (spark.* keys)")
     min_qa_similarity: float = Field(0.2, ge=-1.0, le=1.0, description="Drop pairs with question-answer cosine below this")
     exact_dedup: bool = Field(True, description="Drop exact duplicates (hash of normalised prompt and answer text)")
     near_dup_threshold: float | None = Field(
@@ -160,6 +164,14 @@ class FilterSection(Section):
     seed: int = Field(1234, description="Seed of the train/val split hash")
     pack_buffer_docs: int = Field(20_000, ge=1, le=10_000_000, description="Documents packed together (best-fit decreasing)")
     shard_tokens: int = Field(1 << 25, ge=1024, description="Target tokens per output parquet file")
+
+    @field_validator("spark_conf")
+    @classmethod
+    def _spark_conf(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in v if not k.startswith("spark.")]
+        if bad:
+            raise ValueError(f"keys {bad} are not Spark settings (they must start with 'spark.')")
+        return {k: str(x) for k, x in v.items()}
 
 
 class TrainSection(Section):

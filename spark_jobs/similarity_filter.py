@@ -17,33 +17,33 @@ re-running with the same input and config is a no-op.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
-import os
-import shutil
 import sys
-import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from pipeline_core import uris
-from pipeline_core.artifacts import (
-    ArtifactConflict,
-    Manifest,
-    fetch_artifact,
-    publish_artifact,
-    read_manifest,
-    require_manifest,
+from pipeline_core.artifacts import Manifest, fetch_artifact, require_manifest
+from pipeline_core.config import Config, FilterSection, load_config
+from spark_jobs.common import (
+    StageTimer,
+    clean_staging,
+    committed_output,
+    parse_stage_args,
+    publish,
+    rejects_frame,
+    setup_logging,
+    spark_session,
+    staging_for,
+    write_parquet,
 )
-from pipeline_core.config import Config, FilterSection, load_config, stable_hash
 
-log = logging.getLogger("similarity_filter")
+log = logging.getLogger("spark_jobs.filter")
 
 KIND = "train-ready"
 INPUT_KIND = "enriched"
@@ -181,22 +181,8 @@ def pack_partitions(batches: Iterator[pd.DataFrame], seq_len: int, pad_id: int, 
 
 
 # ----------------------------------------------------------------------------- driver
-def spark_session(app_name: str = "similarity_filter"):
-    """The session spark-submit configured, or a local one when run as a plain Python process."""
-    from pyspark.sql import SparkSession
-
-    builder = SparkSession.builder.appName(app_name)
-    if "PYSPARK_GATEWAY_PORT" not in os.environ:  # not launched by spark-submit
-        # Python workers must run this interpreter (the one with the project installed), not `python3`.
-        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-        builder = builder.master(os.environ.get("MFT_SPARK_MASTER", "local[*]"))
-    return (builder.config("spark.sql.session.timeZone", "UTC")
-            .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-            .getOrCreate())
-
-
 def _rename_parts(directory: Path) -> list[Path]:
-    """part-00003-<uuid>-c000.snappy.parquet -> part-00003.parquet: names that do not change between runs."""
+    """part-00003-<uuid>-c000.zstd.parquet -> part-00003.parquet: names that do not change between runs."""
     out = []
     for p in sorted(directory.glob("part-*.parquet")):
         dest = p.with_name(p.name[: len("part-00000")] + ".parquet")
@@ -207,140 +193,157 @@ def _rename_parts(directory: Path) -> list[Path]:
     return out
 
 
-def _input_paths(input_uri: str, manifest: Manifest, cfg: Config, work: Path) -> list[str]:
-    """file:// URIs of the committed input's data files (fetched and verified when remote)."""
+def _input_paths(input_uri: str, manifest: Manifest, cfg: Config, staging: Path) -> list[str]:
+    """file:// URIs of the committed input's data files (fetched and verified when remote: Spark
+    here has no object-store connector, the shared store client does the transfer)."""
     files = [f for f in manifest.file_paths("data/") if f.endswith(".parquet")]
     if not files:
         raise ValueError(f"--input {input_uri}: the enriched artifact has no data/*.parquet files")
     if uris.is_local(input_uri):
         return [uris.join(input_uri, f) for f in files]
-    local = work / "input"
+    local = staging / "_input"
     fetch_artifact(input_uri, local, cfg.storage, prefix="data/")
     return [uris.qualify(local / f) for f in files]
 
 
+def stage_config(cfg: Config, input_uri: str, input_manifest: Manifest) -> dict[str, Any]:
+    """What determines the artifact's content: recorded in (and hashed into) the manifest."""
+    return {"stage": STAGE, "input": input_uri, "input_manifest_sha256": input_manifest.sha256,
+            "filter": cfg.filter.model_dump(mode="json")}
+
+
 def run(input_uri: str, output_uri: str, cfg: Config, spark=None) -> Manifest:
     """Filter `input_uri` (committed enriched artifact) into `output_uri` (train-ready artifact)."""
-    from pyspark.sql import functions as F
-
     from spark_jobs.chat_format import load_tokenizer
 
-    t_start = time.time()
     fcfg = cfg.filter
     input_uri = uris.require_uri(input_uri, "--input").rstrip("/")
     output_uri = uris.require_uri(output_uri, "--output").rstrip("/")
     in_manifest = require_manifest(input_uri, cfg.storage, kind=INPUT_KIND)
-    config = {"filter": fcfg.model_dump(mode="json")}
-    existing = read_manifest(output_uri, cfg.storage)
-    if existing is not None:
-        same_input = [i["manifest_sha256"] for i in existing.inputs] == [in_manifest.sha256]
-        if existing.config_hash == stable_hash(config)[:12] and same_input:
-            log.info("%s is already committed from the same input and config; nothing to do", output_uri)
-            return existing
-        raise ArtifactConflict(f"--output {output_uri} is already committed from a different input or config; "
-                               "artifacts are immutable: choose a new output URI")
+    config = stage_config(cfg, input_uri, in_manifest)
+    done = committed_output(output_uri, config, cfg.storage)
+    if done is not None:
+        log.info("%s is already committed from this input and config; nothing to do", output_uri)
+        return done
     try:  # invalid tokenizer settings fail here, before any compute
         tok = load_tokenizer(fcfg.tokenizer)
     except Exception as e:
         raise ValueError(f"filter.tokenizer: cannot load {fcfg.tokenizer!r}: {e}") from e
 
-    staging = uris.to_local_path(uris.join(cfg.pipeline.staging_uri, "filter",
-                                           f"{stable_hash(output_uri)[:16]}-{uuid.uuid4().hex[:8]}"))
-    out_dir, work = staging / "out", staging / "work"
-    spark = spark or spark_session()
-    timings: dict[str, float] = {}
+    timer = StageTimer(STAGE)
+    staging_uri, staging = staging_for(cfg, STAGE, output_uri)
+    own = spark is None
+    if own:
+        conf = {"spark.sql.execution.arrow.maxRecordsPerBatch": str(fcfg.arrow_batch_rows), **fcfg.spark_conf}
+        spark = spark_session("mft-filter", fcfg.spark_master, fcfg.shuffle_partitions, conf)
     try:
-        t0 = time.time()
-        df = spark.read.parquet(*_input_paths(input_uri, in_manifest, cfg, work))
-        n_in = df.count()
-        docs_uri = uris.qualify(work / "docs")
-        annotated = annotate(df, fcfg)
-        (annotated.mapInPandas(lambda it: tokenize_partitions(it, fcfg), DOC_SCHEMA)
-         .write.mode("overwrite").parquet(docs_uri))
-        timings["filter_tokenize_s"] = round(time.time() - t0, 3)
+        manifest = _compute_and_publish(spark, input_uri, output_uri, cfg, config, in_manifest, tok, timer, staging)
+    finally:
+        spark.catalog.clearCache()
+        if own:
+            spark.stop()
+    clean_staging(staging)
+    return manifest
 
-        t0 = time.time()
+
+def _compute_and_publish(spark, input_uri, output_uri, cfg, config, in_manifest, tok, timer, staging: Path) -> Manifest:
+    from pyspark.sql import functions as F
+
+    fcfg = cfg.filter
+    docs_uri = uris.qualify(staging / "_docs")
+    with timer.step("filter+dedup+tokenize") as info:
+        df = spark.read.parquet(*_input_paths(input_uri, in_manifest, cfg, staging))
+        n_in = df.count()
+        annotated = annotate(df, fcfg)
+        write_parquet(annotated.mapInPandas(lambda it: tokenize_partitions(it, fcfg), DOC_SCHEMA), docs_uri)
+        info["rows"] = n_in
+
+    with timer.step("count+rejects") as info:
         docs = spark.read.parquet(docs_uri)
         stats = (docs.groupBy("split", "reason")
                  .agg(F.count(F.lit(1)).alias("n"), F.sum(F.size("input_ids")).alias("tokens"),
                       F.sum("n_answer").alias("answer_tokens"), F.sum(F.col("truncated").cast("int")).alias("truncated"))
                  .collect())
-        n_all = sum(r["n"] for r in stats)
-        if n_all != n_in:
-            raise RuntimeError(f"internal error: {n_in} rows in but {n_all} annotated; refusing to publish")
+        if sum(r["n"] for r in stats) != n_in:
+            raise RuntimeError(f"row counts do not add up: {n_in} rows in, {sum(r['n'] for r in stats)} annotated")
         rejected: dict[str, int] = {}
         for r in stats:
             if r["reason"] is not None:
                 rejected[r["reason"]] = rejected.get(r["reason"], 0) + r["n"]
-        kept = {s: next((r for r in stats if r["reason"] is None and r["split"] == s), None) for s in ("train", "val")}
-
-        rejects = docs.filter(F.col("reason").isNotNull()).select("id", F.lit(STAGE).alias("stage"), "reason", "raw")
         n_rej = sum(rejected.values())
         if n_rej:
-            (rejects.repartition(max(1, math.ceil(n_rej / 1_000_000)), "id").sortWithinPartitions("id", "reason", "raw")
-             .write.mode("overwrite").parquet(uris.qualify(out_dir / "rejects")))
-            _rename_parts(out_dir / "rejects")
+            rejects = (rejects_frame(docs.filter(F.col("reason").isNotNull()), STAGE)
+                       .repartition(max(1, math.ceil(n_rej / 1_000_000)), "id").sortWithinPartitions("id", "reason", "raw"))
+            write_parquet(rejects, uris.qualify(staging / "rejects"))
+            _rename_parts(staging / "rejects")
+        info["rows"] = n_rej
 
-        splits: dict[str, dict[str, Any]] = {}
-        seq_len, pad_id, buffer_docs = fcfg.seq_len, tok.pad_id, fcfg.pack_buffer_docs  # plain values for the closure
-        for split, row in kept.items():
-            n_docs = row["n"] if row else 0
-            doc_tokens = int(row["tokens"]) if row else 0
+    splits: dict[str, dict[str, Any]] = {}
+    seq_len, pad_id, buffer_docs = fcfg.seq_len, tok.pad_id, fcfg.pack_buffer_docs  # plain values for the closure
+    for split in ("train", "val"):
+        row = next((r for r in stats if r["reason"] is None and r["split"] == split), None)
+        n_docs, doc_tokens = (row["n"], int(row["tokens"])) if row else (0, 0)
+        with timer.step(f"pack {split}") as info:
             n_parts = max(1, math.ceil(doc_tokens / fcfg.shard_tokens))
             part = (docs.filter((F.col("split") == split) & F.col("reason").isNull()).select("key", "input_ids", "labels")
                     .repartition(n_parts, "key").sortWithinPartitions("key"))
-            dest = out_dir / "data" / split
-            (part.mapInPandas(lambda it: pack_partitions(it, seq_len, pad_id, buffer_docs), ROW_SCHEMA)
-             .write.mode("overwrite").parquet(uris.qualify(dest)))
+            dest = staging / "data" / split
+            write_parquet(part.mapInPandas(lambda it: pack_partitions(it, seq_len, pad_id, buffer_docs), ROW_SCHEMA),
+                          uris.qualify(dest))
             files = _rename_parts(dest)
-            n_rows = spark.read.parquet(uris.qualify(dest)).count()
-            slots = n_rows * fcfg.seq_len
-            splits[split] = {
-                "documents": n_docs, "rows": n_rows, "files": len(files), "doc_tokens": doc_tokens,
-                "answer_tokens": int(row["answer_tokens"]) if row else 0, "truncated": int(row["truncated"] or 0) if row else 0,
-                "slots": slots, "packing_efficiency": round(doc_tokens / slots, 4) if slots else None,
-            }
-        timings["pack_s"] = round(time.time() - t0, 3)
-
-        n_out = sum(s["documents"] for s in splits.values())
-        total_slots = sum(s["slots"] for s in splits.values())
-        extra = {
-            **tok.identity(),
-            "seq_len": fcfg.seq_len,
-            "pad_token_id": tok.pad_id,
-            "label_ignore_index": -100,
-            "columns": {"input_ids": "int32[seq_len]", "labels": "int32[seq_len], = input_ids on answer tokens (not shifted), "
-                        "-100 on prompt and padding", "position_ids": "int32[seq_len], 0 at each document start; padding "
-                        "is a last segment of its own"},
-            "splits": splits,
-            "tokens": {s: v["doc_tokens"] for s, v in splits.items()},
-            "packing_efficiency": round(sum(s["doc_tokens"] for s in splits.values()) / total_slots, 4) if total_slots else None,
-            "truncated": sum(s["truncated"] for s in splits.values()),
-            "split_rule": f"sha256(f'{{seed}}:{{id}}') first 13 hex digits / 2**52 < val_fraction (seed={fcfg.seed})",
+            n_rows = parquet_rows(files)
+            info["tokens"] = doc_tokens
+        slots = n_rows * seq_len
+        splits[split] = {
+            "documents": n_docs, "rows": n_rows, "files": len(files), "doc_tokens": doc_tokens,
+            "answer_tokens": int(row["answer_tokens"]) if row else 0,
+            "truncated": int(row["truncated"] or 0) if row else 0,
+            "slots": slots, "packing_efficiency": round(doc_tokens / slots, 4) if slots else None,
         }
-        timings["total_s"] = round(time.time() - t_start, 3)
-        manifest = publish_artifact(
-            out_dir, output_uri, kind=KIND, config=config, inputs=[input_uri],
-            counts={"in": n_in, "out": n_out, "rejected": dict(sorted(rejected.items()))},
-            extra=extra, timings=timings, storage=cfg.storage,
-        )
-        log.info("filter: %d in, %d kept, rejected %s, packing efficiency %s", n_in, n_out, rejected, extra["packing_efficiency"])
-        return manifest
-    finally:
-        spark.catalog.clearCache()
-        shutil.rmtree(staging, ignore_errors=True)
+    clean_staging(staging / "_docs")
+    clean_staging(staging / "_input")
+
+    n_out = sum(s["documents"] for s in splits.values())
+    total_slots = sum(s["slots"] for s in splits.values())
+    extra = {
+        **tok.identity(),
+        "schema": "train-ready",
+        "seq_len": seq_len,
+        "pad_token_id": pad_id,
+        "label_ignore_index": -100,
+        "columns": {
+            "input_ids": "int32[seq_len]",
+            "labels": "int32[seq_len]: = input_ids on answer tokens (not shifted), -100 on prompt and padding",
+            "position_ids": "int32[seq_len]: 0 at each document start; trailing padding is a segment of its own",
+        },
+        "splits": splits,
+        "tokens": {s: v["doc_tokens"] for s, v in splits.items()},
+        "packing_efficiency": round(sum(s["doc_tokens"] for s in splits.values()) / total_slots, 4) if total_slots else None,
+        "truncated": sum(s["truncated"] for s in splits.values()),
+        "split_rule": f"val iff int(sha256(f'{{seed}}:{{id}}')[:13], 16) / 2**52 < {fcfg.val_fraction} (seed={fcfg.seed})",
+    }
+    counts = {"in": n_in, "out": n_out, "rejected": dict(sorted(rejected.items()))}
+    timer.total()
+    with timer.step("publish"):
+        manifest = publish(staging, output_uri, kind=KIND, config=config, counts=counts, storage=cfg.storage,
+                           timings=timer.timings, extra=extra, inputs=[input_uri])
+    log.info("[filter] %d in, %d kept, rejected %s; tokens %s; packing efficiency %s",
+             n_in, n_out, counts["rejected"], extra["tokens"], extra["packing_efficiency"])
+    return manifest
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Similarity filter, dedup, split, tokenize and pack (enriched -> train-ready)")
-    p.add_argument("--input", required=True, help="committed enriched artifact URI (file://, s3://)")
-    p.add_argument("--output", required=True, help="train-ready artifact URI to commit")
-    p.add_argument("--config", default=None, help="resolved config file (YAML/JSON); defaults + MFT__ env otherwise")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_config(args.config)  # invalid config fails here, before Spark starts
+def parquet_rows(files: Sequence[Path]) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    setup_logging()
+    args = parse_stage_args(__doc__.strip().splitlines()[0], argv)
+    cfg = load_config(args.config)  # invalid settings fail here, before Spark starts
     manifest = run(args.input, args.output, cfg)
-    print(json.dumps({"uri": manifest.uri, "counts": manifest.counts,
+    print(json.dumps({"uri": manifest.uri, "counts": manifest.counts, "tokens": manifest.extra.get("tokens"),
                       "packing_efficiency": manifest.extra.get("packing_efficiency")}))
     return 0
 

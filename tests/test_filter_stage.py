@@ -31,16 +31,9 @@ from tests.filter_helpers import (
 
 @pytest.fixture(scope="module")
 def spark():
-    import os
-    import sys
+    from spark_jobs.common import spark_session
 
-    from pyspark.sql import SparkSession
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # workers need the venv's interpreter
-    return (SparkSession.builder.master("local[2]").appName("test-filter")
-            .config("spark.sql.shuffle.partitions", "2").config("spark.ui.enabled", "false")
-            .config("spark.sql.session.timeZone", "UTC").config("spark.sql.execution.arrow.pyspark.enabled", "true")
-            .getOrCreate())
+    return spark_session("test-filter", "local[2]", 2, {"spark.ui.enabled": "false"})
 
 
 def make_cfg(root: Path, **filter_overrides):
@@ -189,7 +182,7 @@ def test_rerun_is_a_noop_and_other_config_conflicts(filtered, spark):
 
     again = run(filtered.in_uri, filtered.out_uri, filtered.cfg, spark=spark)
     assert again.sha256 == filtered.manifest.sha256
-    with pytest.raises(ArtifactConflict, match="different input or config"):
+    with pytest.raises(ArtifactConflict, match="already committed with config"):
         run(filtered.in_uri, filtered.out_uri, make_cfg(filtered.root, seq_len=256), spark=spark)
 
 
