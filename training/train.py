@@ -119,14 +119,6 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
             f"train.pipeline_stages={t.pipeline_stages} does not divide the world size {world_size} "
             "(world size = data parallel x pipeline stages)"
         )
-    manifest = read_manifest(input_uri, cfg.storage)
-    if manifest is None:
-        raise TrainConfigError(f"--input {input_uri}: no committed train-ready artifact there (no _manifest.json)")
-    if not any(f["path"].startswith("data/train/") for f in manifest.files):
-        raise TrainConfigError(f"--input {input_uri}: artifact has no data/train/*.parquet files")
-    art_seq = (manifest.extra or {}).get("seq_len") or (manifest.config.get("filter") or {}).get("seq_len")
-    if art_seq is not None and int(art_seq) != t.seq_len:
-        raise TrainConfigError(f"train.seq_len={t.seq_len} but the input artifact is packed to seq_len={art_seq}")
     base_config = base_model_config(t.base_model)
     try:
         hf_config = prepare_hf_config(base_config, t.attention_backend, t.seq_len)
@@ -135,6 +127,16 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
     n_layers = hf_config.num_hidden_layers + 3
     if t.pipeline_stages > n_layers:
         raise TrainConfigError(f"train.pipeline_stages={t.pipeline_stages} exceeds the model's {n_layers} pipe layers")
+    manifest = read_manifest(input_uri, cfg.storage)
+    if manifest is None:
+        raise TrainConfigError(f"--input {input_uri}: no committed train-ready artifact there (no _manifest.json)")
+    if manifest.kind != "train-ready":
+        raise TrainConfigError(f"--input {input_uri}: is a {manifest.kind!r} artifact, expected 'train-ready'")
+    if not any(f["path"].startswith("data/train/") for f in manifest.files):
+        raise TrainConfigError(f"--input {input_uri}: artifact has no data/train/*.parquet files")
+    art_seq = (manifest.extra or {}).get("seq_len") or (manifest.config.get("filter") or {}).get("seq_len")
+    if art_seq is not None and int(art_seq) != t.seq_len:
+        raise TrainConfigError(f"train.seq_len={t.seq_len} but the input artifact is packed to seq_len={art_seq}")
     dp = world_size // t.pipeline_stages
     staging = uris.to_local_path(layout.staging_dir(cfg, "runs", run_id))
     return Plan(cfg, input_uri, run_uri, run_id, world_size, t.pipeline_stages, dp, hf_config, base_config,
@@ -220,7 +222,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
-                        force=True)
+                        )
     cfg = load_config(args.config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
