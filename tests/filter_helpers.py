@@ -153,3 +153,9 @@ FILTER_SETTINGS = {"seq_len": 128, "max_tokens": 160, "min_answer_tokens": 3, "v
 
 def crafted_records() -> list[Rec]:
     return [*KEEP, *(r for _, r in NEAR.values()), EXACT, *(r for _, r in REJECT.values())]
+
+
+@functools.lru_cache(maxsize=1)
+def crafted_table():
+    """The crafted records as an enriched table (embedded once per test session)."""
+    return enriched_table(crafted_records())

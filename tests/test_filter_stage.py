@@ -23,8 +23,7 @@ from tests.filter_helpers import (
     KEEP,
     NEAR,
     REJECT,
-    crafted_records,
-    enriched_table,
+    crafted_table,
     publish_enriched,
 )
 
@@ -49,7 +48,7 @@ def filtered(spark, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("filter")
     cfg = make_cfg(root)
-    table = enriched_table(crafted_records())
+    table = crafted_table()
     in_uri = uris.join(cfg.pipeline.store_uri, "datasets", "t", "enriched", "e1")
     publish_enriched(table, root / "enriched", in_uri)
     out_uri = uris.join(cfg.pipeline.store_uri, "datasets", "t", "train", "f1")
