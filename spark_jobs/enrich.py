@@ -172,6 +172,7 @@ def run(input_uri: str, output_uri: str, cfg: Config, spark: SparkSession | None
         if own:
             spark.stop()
     clean_staging(staging)
+    clean_staging(_download_dir(staging))
     return manifest
 
 
@@ -181,7 +182,8 @@ def _compute_and_publish(spark, input_uri, output_uri, cfg, config, timer, stagi
 
     e = cfg.enrich
     with timer.step("read+normalise") as info:
-        raw, source = read_records(spark, input_uri, e.splits, e.input_format, download_dir=staging / "_download")
+        raw, source = read_records(spark, input_uri, e.splits, e.input_format, download_dir=_download_dir(staging),
+                                   storage=cfg.storage)
         norm = raw.select(
             F.col("uuid").alias("id"), "category", "reasoning", "metadata", "messages_json", "raw",
             normalise_udf(e)("uuid", "messages_json", "read_error").alias("n"),
@@ -236,6 +238,12 @@ def _compute_and_publish(spark, input_uri, output_uri, cfg, config, timer, stagi
     log.info("[enrich] %d records in, %d out, %d rejected %s; %.1f records/s overall",
              counts["in"], counts["out"], sum(counts["rejected"].values()), counts["rejected"], rate)
     return manifest, norm
+
+
+def _download_dir(staging):
+    """Where remote inputs are copied: beside the artifact's staging directory, never inside it
+    (everything inside is published)."""
+    return staging.with_name(staging.name + "-input")
 
 
 def _embedding_dim(staging) -> int | None:

@@ -21,6 +21,8 @@ from pipeline_core import uris
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
 
+    from pipeline_core.config import StorageSection
+
 log = logging.getLogger("spark_jobs.readers")
 
 STRING_FIELDS = ("uuid", "license", "generator", "version", "category", "reasoning", "metadata")
@@ -83,6 +85,34 @@ def download_hub_dataset(input_uri: str, splits: list[str], dest: Path) -> str:
     return uris.qualify(local)
 
 
+def spark_reads_s3(spark: SparkSession) -> bool:
+    """Whether this Spark has Hadoop's s3a connector (hadoop-aws) on its class path."""
+    try:
+        spark.sparkContext._jvm.java.lang.Class.forName("org.apache.hadoop.fs.s3a.S3AFileSystem")
+        return True
+    except Exception:  # py4j wraps ClassNotFoundException
+        return False
+
+
+def download_store_prefix(input_uri: str, splits: list[str], dest: Path, storage: StorageSection | None) -> str:
+    """Copy the input files under an s3:// prefix to `dest` through the shared store (sha256
+    verified), keeping their relative paths; the selected splits only, when files are named so."""
+    from pipeline_core.store import open_store
+
+    store, key = open_store(input_uri, storage)
+    prefix = key.rstrip("/") + "/" if key else ""
+    exts = tuple(f".{e}" for es in EXTENSIONS.values() for e in es)
+    files = [o.key for o in store.list(prefix) if o.key.endswith(exts)]
+    named = [k for k in files if k.rpartition("/")[2].startswith(tuple(f"{s}-" for s in splits))]
+    chosen = named or files
+    if not chosen:
+        raise FileNotFoundError(f"no .parquet/.jsonl/.json files under {input_uri}")
+    for k in chosen:
+        store.get_file(k, dest / k[len(prefix):])
+    log.info("copied %d input file(s) from %s to %s (this Spark has no s3a connector)", len(chosen), input_uri, dest)
+    return uris.qualify(dest)
+
+
 def parse_json_line(line: str) -> dict[str, Any]:
     """One JSON Lines record -> the raw columns; never raises."""
     out: dict[str, Any] = dict.fromkeys(STRING_FIELDS)
@@ -132,13 +162,20 @@ def _read_jsonl(spark: SparkSession, files: list[str]) -> DataFrame:
 
 
 def read_records(spark: SparkSession, input_uri: str, splits: list[str], fmt: str = "auto",
-                 download_dir: Path | None = None) -> tuple[DataFrame, dict[str, Any]]:
-    """(records with the RAW_SCHEMA columns, a description of the source for the manifest)."""
+                 download_dir: Path | None = None, storage: StorageSection | None = None,
+                 ) -> tuple[DataFrame, dict[str, Any]]:
+    """(records with the RAW_SCHEMA columns, a description of the source for the manifest).
+    Hub datasets, and s3:// prefixes when Spark has no s3a connector, are first copied to
+    `download_dir` (a staging directory)."""
     source: dict[str, Any] = {"uri": input_uri}
+    remote = input_uri.startswith("hf://") or (uris.scheme_of(input_uri) == "s3" and not spark_reads_s3(spark))
+    if remote and download_dir is None:
+        raise ValueError(f"reading {input_uri} needs a download directory")
     if input_uri.startswith("hf://"):
-        if download_dir is None:
-            raise ValueError("reading a hub dataset needs a download directory")
         input_uri = download_hub_dataset(input_uri, splits, download_dir)
+        source["downloaded_to"] = input_uri
+    elif remote:
+        input_uri = download_store_prefix(input_uri, splits, download_dir, storage)
         source["downloaded_to"] = input_uri
     fmt, files = find_input_files(spark, input_uri, splits, fmt)
     source.update(format=fmt, files=files, splits=splits)

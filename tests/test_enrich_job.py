@@ -164,17 +164,24 @@ def _v2_dir(root: Path) -> Path:
     return root
 
 
-def test_unseen_v2_parquet_directory_published_to_s3(spark, s3_server, s3_bucket_uri, tmp_path):
+def test_unseen_v2_parquet_from_s3_published_to_s3(spark, s3_server, s3_bucket_uri, tmp_path):
     src = _v2_dir(tmp_path / "unseen")
     n = sum(pq.read_metadata(p).num_rows for p in src.glob("*.parquet"))
+    bucket = uris.split_bucket_key(s3_bucket_uri)[0]
+    for p in src.glob("*.parquet"):
+        s3_server.client().upload_file(str(p), bucket, f"raw/v2/{p.name}")
     cfg = load_config(env={}, overrides={
         "pipeline.staging_uri": uris.qualify(tmp_path / "staging"),
         "storage": {"endpoint_url": s3_server.endpoint, "max_attempts": 3},
         "enrich": {"spark_master": "local[2]", "shuffle_partitions": 2},
     })
     out = uris.join(s3_bucket_uri, "datasets", "v2", "enriched", "abc")
-    m = enrich.run(uris.qualify(src), out, cfg, spark=spark)
+    m = enrich.run(f"{s3_bucket_uri}/raw/v2", out, cfg, spark=spark)
     assert m.counts["in"] == n == m.counts["out"] + sum(m.counts["rejected"].values())
+    # No s3a connector here: the input came through the shared store into staging, then was cleaned up.
+    assert m.extra["source"]["uri"] == f"{s3_bucket_uri}/raw/v2" and m.extra["source"]["format"] == "parquet"
+    assert not any((tmp_path / "staging").rglob("*.parquet"))
+    assert not any(f["path"].endswith("part-a.parquet") for f in m.files)
     assert m.counts["rejected"] and m.counts["out"] > 0
     again = read_manifest(out, cfg.storage)
     assert again is not None and again.sha256 == m.sha256
