@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -139,8 +140,25 @@ def clean_staging(path: Path) -> None:
 
 
 def write_parquet(df: DataFrame, uri: str) -> None:
-    """Overwrite `uri` (must be fully qualified) with the DataFrame as Parquet."""
+    """Overwrite `uri` (must be fully qualified) with the DataFrame as Parquet. On a local path the
+    part files get stable names (`part-00000-c000.parquet`, ...; Spark's carry a random job id), so a
+    re-run after a crash between upload and manifest overwrites the same keys, and Spark's
+    `_SUCCESS` / `.crc` files are removed."""
     df.write.mode("overwrite").parquet(uris.require_uri(uri, "Spark output"))
+    if uris.is_local(uri):
+        tidy_parts(uris.to_local_path(uri))
+
+
+_PART = re.compile(r"^part-(\d+)-.*-c(\d+)(\.[a-z0-9]+)?\.parquet$")
+
+
+def tidy_parts(path: Path) -> None:
+    for p in sorted(path.iterdir()):
+        m = _PART.match(p.name)
+        if m:
+            p.rename(p.with_name(f"part-{int(m.group(1)):05d}-c{int(m.group(2)):03d}.parquet"))
+        elif p.name == "_SUCCESS" or p.name.endswith(".crc"):
+            p.unlink()
 
 
 def rejects_frame(df: DataFrame, stage: str, id_col: str = "id", reason_col: str = "reason", raw_col: str = "raw") -> DataFrame:

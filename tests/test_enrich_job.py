@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,8 @@ def test_artifact_follows_the_contract(sample_run):
     assert set(m.extra["extra_columns"]) == {"question_embedding", "answer_embedding", "metadata"}
     assert sample_run["rejects"].column_names == ["id", "stage", "reason", "raw"]
     verify_artifact(sample_run["out"])  # every file present with its manifest's sha256
+    assert {f["path"].split("/")[0] for f in m.files} == {"data", "rejects"}
+    assert all(re.fullmatch(r"(data|rejects)/part-\d{5}-c\d{3}\.parquet", f["path"]) for f in m.files), m.files
     ids = data.column("id").to_pylist()
     assert len(ids) == len(set(ids))
     assert not any(uris.to_local_path(sample_run["cfg"].pipeline.staging_uri).rglob("*.parquet"))  # staging cleaned
