@@ -22,7 +22,7 @@ from pipeline_core import layout, uris
 from pipeline_core.artifacts import fetch_artifact, read_latest, read_manifest
 from pipeline_core.config import load_config
 from pipeline_core.store import open_store
-from tests.training_helpers import build_train_ready, make_tiny_model
+from tests.training_helpers import make_tiny_model, sample_train_ready
 from training.checkpoints import store_steps
 from training.metrics import read_csv
 
@@ -74,12 +74,12 @@ def setup(tmp_path_factory, s3_server):
     tmp = tmp_path_factory.mktemp("train-e2e")
     store = f"s3://{s3_server.new_bucket()}"
     model_dir = make_tiny_model(tmp / "tiny", hidden_size=32, intermediate_size=64)  # small checkpoints
-    input_uri = build_train_ready(store, tmp / "ready", seq_len=64, n_train_docs=240, n_val_docs=40,
-                                  storage=s3_server.storage)
+    # the bundled Nemotron sample, tokenized and packed by the filter stage's own code
+    input_uri = sample_train_ready(store, tmp / "ready", seq_len=128, storage=s3_server.storage)
     cfg = load_config(overrides={
         "pipeline.store_uri": store, "pipeline.staging_uri": uris.qualify(tmp / "staging"),
         "storage.endpoint_url": s3_server.endpoint, "storage.max_attempts": 3,
-        "train.base_model": str(model_dir), "train.seq_len": 64, "train.micro_batch_size": 2,
+        "train.base_model": str(model_dir), "train.seq_len": 128, "train.micro_batch_size": 2,
         "train.gradient_accumulation_steps": 2, "train.steps": STEPS, "train.checkpoint_every": 4,
         "train.keep_last": 2, "train.precision": "fp32", "train.learning_rate": 2e-3, "train.warmup_steps": 1,
         "train.verify_parity": True, "train.eval_batches": 2,

@@ -81,3 +81,43 @@ def build_train_ready(root_uri: str, local_dir: Path, *, seq_len: int, n_train_d
                      "out": len(train) + len(val)}, extra={"seq_len": seq_len, "tokenizer": "mistral-v1"},
                      storage=storage)
     return uri
+
+
+def sample_train_ready(root_uri: str, local_dir: Path, *, seq_len: int, storage=None, val_every: int = 10) -> str:
+    """A train-ready artifact from the bundled Nemotron sample, made with the filter stage's own
+    normalisation, Mistral v1 chat template/tokenizer and packing (without Spark or the similarity
+    filter): every 10th record goes to val, over-long answers are truncated."""
+    import glob
+
+    import pyarrow.parquet as pq
+
+    from pipeline_core import uris
+    from pipeline_core.artifacts import publish_artifact
+    from pipeline_core.config import PROJECT_ROOT
+    from spark_jobs.chat_format import MistralCommonTokenizer, render
+    from spark_jobs.normalize import Rejected, normalise
+    from spark_jobs.packing import Document, LengthLimits, make_document, pack
+
+    tok = MistralCommonTokenizer("mistral-v1")
+    limits = LengthLimits(seq_len=seq_len, max_tokens=1 << 20, min_answer_tokens=1, overflow="truncate")
+    docs: dict[str, list] = {"train": [], "val": []}
+    n = 0
+    for f in sorted(glob.glob(str(PROJECT_ROOT / "sample_data" / "nemotron_v1" / "data" / "*.parquet"))):
+        for rec in pq.read_table(f, columns=["messages"]).to_pylist():
+            try:
+                norm = normalise(rec["messages"])
+            except Rejected:
+                continue
+            doc = make_document(*tok.encode(*render(None, norm.question, norm.answer)), limits, tok.eos_id)
+            if isinstance(doc, Document):
+                docs["val" if n % val_every == 0 else "train"].append((doc.input_ids, doc.labels))
+                n += 1
+    for split, items in docs.items():
+        rows = [{"input_ids": a.tolist(), "labels": b.tolist(), "position_ids": c.tolist()}
+                for a, b, c in pack(items, seq_len, tok.pad_id)]
+        write_rows(local_dir / "data" / split / "part-00000.parquet", rows)
+    uri = uris.join(root_uri, "datasets", "sample", "train", f"seq{seq_len}")
+    total = sum(len(v) for v in docs.values())
+    publish_artifact(local_dir, uri, kind="train-ready", counts={"in": total, "out": total},
+                     extra={"seq_len": seq_len, **tok.identity()}, storage=storage)
+    return uri
