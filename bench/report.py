@@ -32,7 +32,13 @@ def settings_of(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    base = {r["setup"]: r["tokens_per_s_per_gpu"] for r in rows if r["setup"] in ("hf_single", "hf_zero2")}
+    # ratios against the baseline rows named after their setup (first one of each setup otherwise)
+    base: dict[str, float] = {}
+    for r in sorted(rows, key=lambda r: r["label"] != r["setup"]):
+        if r["setup"] in ("hf_single", "hf_zero2"):
+            base.setdefault(r["setup"], r["tokens_per_s_per_gpu"])
+    # baselines first, then the pipeline rows from fastest to slowest
+    rows = sorted(rows, key=lambda r: (r["setup"] == "pipeline", r["label"] != r["setup"], -r["tokens_per_s_per_gpu"]))
     head = ("| setup | settings | tok/s/GPU | MFU | × 1-GPU HF | × ZeRO-2 HF | peak alloc GiB/GPU | tokens/kJ "
             "| bubble+comm share (stage 0/1) | analytic bubble | data-load share (GPU) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]

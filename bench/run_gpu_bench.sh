@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command for the whole GPU benchmark on a 2-GPU machine (H200 x2 measured):
-#   bash bench/run_gpu_bench.sh [phase ...]      phases: env checks baselines best causal levers levers2
+#   bash bench/run_gpu_bench.sh [phase ...]      phases: env checks baselines best repeat causal levers levers2
 #   (default: all but env; about 20 minutes on 2 x H200)
 # Results: one JSON per row under $BENCH_OUT (default ./bench_out), a markdown table printed last.
 # Needs python3 with torch, transformers, deepspeed, liger-kernel (a folder of wheels in $WHEELS,
@@ -67,6 +67,9 @@ for phase in $phases; do
       ;;
     best)  # the trainer with its fastest settings, packed documents with the document mask
       pipe pipe_best 330 --micro-batch 2 --grad-accum 32 --attention torch_varlen --kernels liger
+      ;;
+    repeat)  # the headline row again in the same lease: run-to-run spread
+      pipe pipe_best_rerun 330 --micro-batch 2 --grad-accum 32 --attention torch_varlen --kernels liger
       ;;
     causal)  # same, one plain causal document per row: what the document mask costs (or saves)
       pipe pipe_best_causal 330 --micro-batch 2 --grad-accum 32 --attention torch_varlen --kernels liger --docs causal
