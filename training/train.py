@@ -283,7 +283,7 @@ class Trainer:
         pipe = build_pipeline_module(
             plan.hf_config, num_stages=plan.stages, partition_method=t.partition_method,
             attention_backend=t.attention_backend, activation_checkpoint_interval=t.activation_checkpoint_interval,
-            device=self.device,
+            device=self.device, fast_kernels=t.fast_kernels,
         )
         n = load_stage_weights(pipe_layers(pipe), model_dir)
         log.info("stage %d: loaded %d base tensors from %s", pipe.stage_id, n, model_dir)
