@@ -14,6 +14,7 @@ Provider imports happen inside the builders, which run at execute time, never at
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from plugins.mft_airflow.settings import DeploySettings
 if TYPE_CHECKING:
     from pipeline_core.config import Config
 
+_ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b:")
 CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
@@ -90,14 +92,18 @@ class LocalTrainProcess:
             text=True, bufsize=1, start_new_session=True,
         )
         tail: list[str] = []
+        errors: list[str] = []  # torchrun's own summary hides the ranks' exceptions: keep them
         assert self._proc.stdout is not None
         for line in self._proc.stdout:
             line = line.rstrip()
             self.log.info("%s", line)
-            tail = (tail + [line])[-30:]
+            tail = (tail + [line])[-20:]
+            if _ERROR_LINE.search(line) and "ChildFailedError" not in line:
+                errors = (errors + [line])[-10:]
         rc = self._proc.wait()
         if rc != 0:
-            raise RuntimeError(f"training exited with status {rc}; last lines:\n" + "\n".join(tail))
+            raise RuntimeError(f"training exited with status {rc}; errors:\n" + "\n".join(errors)
+                               + "\nlast lines:\n" + "\n".join(tail))
 
     def on_kill(self) -> None:
         if self._proc and self._proc.poll() is None:

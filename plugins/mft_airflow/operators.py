@@ -81,7 +81,9 @@ class SparkStageOperator(BaseOperator):
 
         s = self.settings
         python = s.spark_python or sys.executable
-        conf = {"spark.pyspark.python": python, "spark.pyspark.driver.python": python, **s.spark_conf}
+        # Spark's INFO startup chatter would drown the task log; the stage logs what matters
+        conf = {"spark.pyspark.python": python, "spark.pyspark.driver.python": python, "spark.log.level": "WARN",
+                **s.spark_conf}
         env = {"PYSPARK_PYTHON": python,
                # spark-submit is resolved on this PATH: the interpreter's own bin dir first
                "PATH": os.pathsep.join([str(Path(python).parent), os.environ.get("PATH", "")])}
