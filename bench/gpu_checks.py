@@ -28,7 +28,7 @@ RESULTS: dict = {"checks": {}}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
+    out, ref = out.detach().double(), ref.detach().double()
     if not torch.isfinite(out).all():
         return float("inf")
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
@@ -124,7 +124,7 @@ def check_varlen_attention() -> bool:
     ).transpose(1, 2)
     ref.backward(g.float())
     ok = check("varlen_attention_fwd", rel_err(out, ref), 1e-2)
-    for name, got, want in zip("qkv", grads, (qf.grad, kf.grad, vf.grad)):
+    for name, got, want in zip("qkv", grads, (qf.grad, kf.grad, vf.grad), strict=True):
         ok &= check(f"varlen_attention_grad_{name}", rel_err(got, want), 2e-2)
     return ok
 
@@ -142,7 +142,13 @@ def tiny_config(hidden=512, layers=2, vocab=32000, attn="torch_varlen", seq=1024
 
 def check_liger_layer() -> bool:
     from training.fast_kernels import apply_liger, fused_causal_lm_loss
-    from training.model import DecoderLayerPipe, LMHeadPipe, PackedAttentionContext, causal_lm_loss, shift_targets
+    from training.model import (
+        DecoderLayerPipe,
+        LMHeadPipe,
+        PackedAttentionContext,
+        causal_lm_loss,
+        shift_targets,
+    )
 
     torch.manual_seed(0)
     cfg = tiny_config()
@@ -195,7 +201,7 @@ def check_liger_layer() -> bool:
     names = ("hidden", "loss", "grad_input", "grad_gate_proj", "grad_input_norm")
     want = (h32, loss32, xf.grad, ref32.mlp.gate_proj.weight.grad, ref32.input_layernorm.weight.grad)
     ok = True
-    for name, r, f, w in zip(names, ref_out, fast_out, want):
+    for name, r, f, w in zip(names, ref_out, fast_out, want, strict=True):
         e_ref, e_fast = rel_err(r, w), rel_err(f, w)
         RESULTS["checks"][f"liger_{name}_reference_path_err"] = e_ref
         # the fast path must be as close to float32 as the reference bf16 path is (2x + slack)
@@ -246,7 +252,7 @@ def layer_lever_timings(micro_batch: int = 2, seq: int = 4096) -> dict:
                 apply_liger(holder, fused_loss=False)
             xi = x.clone().requires_grad_()
 
-            def fwd_bwd():
+            def fwd_bwd(layer=layer, xi=xi, pos=pos):
                 h, _ = layer((xi, pos))
                 h.backward(g)
 
@@ -333,7 +339,7 @@ def run_pipeline(out_dir: Path, steps: int, attention: str, kernels: str) -> boo
                 logits = torch.empty(mb, seq, cfg.vocab_size, device=dev, dtype=torch.bfloat16)
                 for row in range(mb):
                     starts = (b["position_ids"][row] == 0).nonzero().flatten().tolist() + [seq]
-                    for s0, s1 in zip(starts, starts[1:]):
+                    for s0, s1 in zip(starts, starts[1:], strict=False):
                         ids = b["input_ids"][row:row + 1, s0:s1].to(dev)
                         logits[row, s0:s1] = hf(input_ids=ids).logits[0]
                 losses.append(float(causal_lm_loss(logits, b["targets"].to(dev))))

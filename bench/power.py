@@ -64,7 +64,7 @@ class PowerMeter:
         self._thread.join()
         self._energy_end_mj = self._energy_mj()
         s = self._samples
-        sampled_j = sum((t1 - t0) * (w0 + w1) / 2 for (t0, w0), (t1, w1) in zip(s, s[1:]))
+        sampled_j = sum((t1 - t0) * (w0 + w1) / 2 for (t0, w0), (t1, w1) in zip(s, s[1:], strict=False))
         span = s[-1][0] - s[0][0] if len(s) > 1 else 0.0
         counter_j = None
         if self._energy_start_mj is not None and self._energy_end_mj is not None:
