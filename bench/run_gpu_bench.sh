@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for the whole GPU benchmark on a 2-GPU machine (H200 x2 measured):
-#   bash bench/run_gpu_bench.sh [phase ...]      phases: env checks baselines best repeat causal levers levers2
-#   (default: all but env; about 20 minutes on 2 x H200)
+#   bash bench/run_gpu_bench.sh [phase ...]      phases: env checks baselines best repeat causal levers levers2 extra
+#   (default: all but env; about 25 minutes on 2 x H200)
 # Results: one JSON per row under $BENCH_OUT (default ./bench_out), a markdown table printed last.
 # Needs python3 with torch, transformers, deepspeed, liger-kernel (a folder of wheels in $WHEELS,
 # default .whl/, is installed to /tmp/site first when deepspeed is missing).
@@ -48,7 +48,7 @@ pipe() {  # pipe NAME TIMEOUT_S ARGS...   (the project's trainer, 2 stages)
   row "$name" "$limit" $TR $T --setup pipeline --stages 2 "$@"
 }
 
-phases=${*:-checks baselines best causal levers levers2}
+phases=${*:-checks baselines best repeat causal levers levers2 extra}
 for phase in $phases; do
   case $phase in
     env)
@@ -67,6 +67,10 @@ for phase in $phases; do
       ;;
     best)  # the trainer with its fastest settings, packed documents with the document mask
       pipe pipe_best 330 --micro-batch 2 --grad-accum 32 --attention torch_varlen --kernels liger
+      ;;
+    extra)  # the trainer's flex-attention backend; the ZeRO-2 baseline without the window mask
+      pipe lever_m16_flex 200 --micro-batch 2 --grad-accum 16 --attention flex --kernels liger
+      row hf_zero2_no_window 150 $TR $T --setup hf_zero2 --micro-batch 2 --act-ckpt 1 --sliding-window none
       ;;
     repeat)  # the headline row again in the same lease: run-to-run spread
       pipe pipe_best_rerun 330 --micro-batch 2 --grad-accum 32 --attention torch_varlen --kernels liger
