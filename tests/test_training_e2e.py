@@ -76,17 +76,24 @@ def setup(tmp_path_factory, s3_server):
     model_dir = make_tiny_model(tmp / "tiny", hidden_size=32, intermediate_size=64)  # small checkpoints
     # the bundled Nemotron sample, tokenized and packed by the filter stage's own code
     input_uri = sample_train_ready(store, tmp / "ready", seq_len=128, storage=s3_server.storage)
+    ds = json.loads((REPO / "training" / "ds_config.json").read_text())
+    ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_type": "linear"}}
+    ds_path = tmp / "ds_config.json"
+    ds_path.write_text(json.dumps(ds))
     cfg = load_config(overrides={
         "pipeline.store_uri": store, "pipeline.staging_uri": uris.qualify(tmp / "staging"),
         "storage.endpoint_url": s3_server.endpoint, "storage.max_attempts": 3,
         "train.base_model": str(model_dir), "train.seq_len": 128, "train.micro_batch_size": 2,
         "train.gradient_accumulation_steps": 2, "train.steps": STEPS, "train.checkpoint_every": 4,
         "train.keep_last": 2, "train.precision": "fp32", "train.learning_rate": 2e-3, "train.warmup_steps": 1,
-        "train.verify_parity": True, "train.eval_batches": 2,
+        "train.verify_parity": True, "train.eval_batches": 2, "train.ds_config": str(ds_path),
     })
     cfg_path = cfg.dump(tmp / "config.yaml")
-    return {"tmp": tmp, "store": store, "cfg": cfg, "cfg_path": cfg_path, "input": input_uri,
-            "env": _env(s3_server.env), "storage": cfg.storage}
+    # The run that gets killed is planned longer, so that it is surely still training when the
+    # kill lands; a constant LR after warmup makes its first STEPS steps the reference's.
+    long_cfg = load_config(overrides={**cfg.model_dump(), "train": {**cfg.train.model_dump(), "steps": 40}})
+    return {"tmp": tmp, "store": store, "cfg": cfg, "cfg_path": cfg_path, "long_cfg_path": long_cfg.dump(tmp / "long.yaml"),
+            "input": input_uri, "env": _env(s3_server.env), "storage": cfg.storage}
 
 
 @pytest.fixture(scope="module")
@@ -146,10 +153,11 @@ def test_kill_resume_skips_damaged_checkpoints_and_matches_reference(setup, refe
     storage, tmp, env = setup["storage"], setup["tmp"], setup["env"]
     run_uri = uris.join(setup["store"], "runs", "killed")
     cmd = _cmd(setup["input"], run_uri, setup["cfg_path"])
+    long_cmd = _cmd(setup["input"], run_uri, setup["long_cfg_path"])
 
     # 1) SIGKILL the whole job right after the step-8 checkpoint is in the store
     with (tmp / "killed-1.log").open("w") as log:
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(long_cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         deadline = time.time() + 300
         for line in proc.stdout:
             log.write(line)
@@ -163,7 +171,7 @@ def test_kill_resume_skips_damaged_checkpoints_and_matches_reference(setup, refe
     committed = [s for s in store_steps(run_uri, storage)
                  if read_manifest(layout.checkpoint_uri(run_uri, s), storage) is not None]
     newest = committed[0]
-    assert newest < STEPS and len(committed) >= 2, committed
+    assert len(committed) >= 2 and committed[1] <= STEPS - 2, committed
     previous = committed[1]
 
     # 2) damage the store: the newest checkpoint gets a corrupted file, and a newer one is only
@@ -179,7 +187,8 @@ def test_kill_resume_skips_damaged_checkpoints_and_matches_reference(setup, refe
     pstore, pkey = open_store(layout.checkpoint_uri(run_uri, partial_step), storage)
     pstore.put_bytes(f"{pkey}/data/layer_00-model_states.pt", b"half an upload")
 
-    # 3) restart: skips both with a warning naming them, resumes from the previous checkpoint
+    # 3) restart (now for STEPS steps): skips both with a warning naming them, resumes from the
+    #    previous checkpoint
     out = _run(cmd, env, tmp / "killed-2.log")
     assert f"skipping checkpoint {layout.checkpoint_uri(run_uri, partial_step)}: no manifest" in out
     assert f"skipping checkpoint {layout.checkpoint_uri(run_uri, newest)}" in out and "layer_03" in out

@@ -101,9 +101,10 @@ def build_ds_config(cfg: Config, dp: int, on_gpu: bool) -> dict[str, Any]:
     if not on_gpu:
         opt["params"]["torch_adam"] = True  # FusedAdam needs CUDA
     sched = ds.setdefault("scheduler", {"type": "WarmupDecayLR", "params": {}})
+    if sched.get("type") in ("WarmupLR", "WarmupDecayLR"):
+        sched.setdefault("params", {}).update(warmup_max_lr=t.learning_rate, warmup_num_steps=t.warmup_steps)
     if sched.get("type") == "WarmupDecayLR":
-        sched["params"].update(warmup_max_lr=t.learning_rate, warmup_num_steps=t.warmup_steps,
-                               total_num_steps=max(t.steps, t.warmup_steps + 1))
+        sched["params"]["total_num_steps"] = max(t.steps, t.warmup_steps + 1)
     ds.setdefault("pipeline", {})["activation_checkpoint_interval"] = t.activation_checkpoint_interval
     ds["steps_per_print"] = ds.get("steps_per_print", 10**9)
     return ds
