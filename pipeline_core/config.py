@@ -148,7 +148,8 @@ class FilterSection(Section):
         0.9, ge=0.5, le=1.0,
         description="Near duplicates: mean of question and answer cosine >= this (null = off); paraphrases score ~0.92-0.98",
     )
-    lsh_bands: int = Field(32, ge=1, le=512, description="LSH bands (more = higher recall, more candidates)")
+    lsh_bands: int = Field(48, ge=1, le=512, description="LSH bands (more = higher recall, more candidates)")
+    lsh_min_band_matches: int = Field(2, ge=1, le=512, description="Bands two records must share to be compared")
     lsh_rows_per_band: int = Field(16, ge=1, le=62, description="Sign bits per band (more = fewer, purer candidates)")
     lsh_max_leaders: int = Field(32, ge=1, le=100_000, description="Per bucket, members are compared with this many smallest keys")
     lsh_seed: int = 0
@@ -172,6 +173,12 @@ class FilterSection(Section):
         if bad:
             raise ValueError(f"keys {bad} are not Spark settings (they must start with 'spark.')")
         return {k: str(x) for k, x in v.items()}
+
+    @model_validator(mode="after")
+    def _lsh(self) -> FilterSection:
+        if self.lsh_min_band_matches > self.lsh_bands:
+            raise ValueError(f"lsh_min_band_matches={self.lsh_min_band_matches} > lsh_bands={self.lsh_bands}")
+        return self
 
 
 class TrainSection(Section):

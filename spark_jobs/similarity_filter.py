@@ -58,8 +58,9 @@ DOC_SCHEMA = (
 
 
 # ----------------------------------------------------------------------------- Spark steps
-def annotate(df, fcfg: FilterSection):
-    """Every input row once, with `_reason` (null = kept so far), after row checks and deduplication."""
+def annotate(df, fcfg: FilterSection, persisted: list | None = None):
+    """Every input row once, with `reason` (null = kept so far), after row checks and deduplication.
+    DataFrames this persists are appended to `persisted` (the caller unpersists them)."""
     from pyspark.sql import functions as F
 
     from spark_jobs import dedup
@@ -103,10 +104,12 @@ def annotate(df, fcfg: FilterSection):
         from pyspark import StorageLevel
 
         df = df.persist(StorageLevel.MEMORY_AND_DISK)  # read by the LSH branch and by the join below
+        if persisted is not None:
+            persisted.append(df)
         near = dedup.find_near_duplicates(
             df.filter(F.col("_reason").isNull()), key="_key", vec="_vec", threshold=fcfg.near_dup_threshold,
             bands=fcfg.lsh_bands, rows_per_band=fcfg.lsh_rows_per_band, max_leaders=fcfg.lsh_max_leaders,
-            seed=fcfg.lsh_seed,
+            seed=fcfg.lsh_seed, min_band_matches=fcfg.lsh_min_band_matches,
         )
         df = df.join(near, "_key", "left")
         df = df.withColumn("_reason", F.coalesce("_reason", F.when(F.col("_near_rep").isNotNull(), F.lit(dedup.NEAR_DUPLICATE))))
@@ -236,17 +239,21 @@ def run(input_uri: str, output_uri: str, cfg: Config, spark=None) -> Manifest:
     if own:
         conf = {"spark.sql.execution.arrow.maxRecordsPerBatch": str(fcfg.arrow_batch_rows), **fcfg.spark_conf}
         spark = spark_session("mft-filter", fcfg.spark_master, fcfg.shuffle_partitions, conf)
+    persisted: list = []
     try:
-        manifest = _compute_and_publish(spark, input_uri, output_uri, cfg, config, in_manifest, tok, timer, staging)
+        manifest = _compute_and_publish(spark, input_uri, output_uri, cfg, config, in_manifest, tok, timer, staging,
+                                        persisted)
     finally:
-        spark.catalog.clearCache()
+        for frame in persisted:
+            frame.unpersist()
         if own:
             spark.stop()
     clean_staging(staging)
     return manifest
 
 
-def _compute_and_publish(spark, input_uri, output_uri, cfg, config, in_manifest, tok, timer, staging: Path) -> Manifest:
+def _compute_and_publish(spark, input_uri, output_uri, cfg, config, in_manifest, tok, timer, staging: Path,
+                         persisted: list) -> Manifest:
     from pyspark.sql import functions as F
 
     fcfg = cfg.filter
@@ -254,7 +261,7 @@ def _compute_and_publish(spark, input_uri, output_uri, cfg, config, in_manifest,
     with timer.step("filter+dedup+tokenize") as info:
         df = spark.read.parquet(*_input_paths(input_uri, in_manifest, cfg, staging))
         n_in = df.count()
-        annotated = annotate(df, fcfg)
+        annotated = annotate(df, fcfg, persisted)
         write_parquet(annotated.mapInPandas(lambda it: tokenize_partitions(it, fcfg), DOC_SCHEMA), docs_uri)
         info["rows"] = n_in
 

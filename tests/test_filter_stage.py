@@ -13,7 +13,7 @@ import pytest
 
 from pipeline_core import uris
 from pipeline_core.artifacts import ArtifactConflict, fetch_artifact
-from pipeline_core.config import ConfigError, load_config
+from pipeline_core.config import ConfigError, FilterSection, load_config
 from spark_jobs.chat_format import load_tokenizer, render
 from spark_jobs.packing import IGNORE_INDEX, split_documents
 from spark_jobs.split import split_column, split_of
@@ -211,8 +211,10 @@ def test_near_duplicate_detection_is_independent_of_partitioning(filtered, spark
     df = df.withColumn("_key", F.xxhash64("id")).withColumn("_vec", F.concat("question_embedding", "answer_embedding"))
     results = []
     for n in (1, 3):
-        got = find_near_duplicates(df.repartition(n), key="_key", vec="_vec", threshold=0.9, bands=32,
-                                   rows_per_band=16, max_leaders=32, seed=0).collect()
+        f = FilterSection()
+        got = find_near_duplicates(df.repartition(n), key="_key", vec="_vec", threshold=0.9, bands=f.lsh_bands,
+                                   rows_per_band=f.lsh_rows_per_band, max_leaders=f.lsh_max_leaders, seed=0,
+                                   min_band_matches=f.lsh_min_band_matches).collect()
         results.append(sorted((r["_key"], r["_near_rep"]) for r in got))
     assert results[0] == results[1]
     assert len(results[0]) == len(NEAR) + 1  # 3 paraphrase pairs + the exact duplicate (not removed here)
