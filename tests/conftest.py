@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import uuid
 from pathlib import Path
 
@@ -19,6 +20,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+# torch builds DeepSpeed's CPU ops with the first `ninja` on PATH; two ninja versions (the venv's
+# 1.13 and /usr/bin's 1.11) hash commands differently and rebuild the shared op (~2 min) on every
+# switch. Always the venv's, whether or not it is activated.
+os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
