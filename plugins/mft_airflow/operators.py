@@ -165,6 +165,12 @@ class TrainOperator(BaseOperator):
         storage = load_plan_config(plan).storage
         existing = read_manifest(plan["model_uri"], storage)
         if existing is not None:
+            trained_on = [i["uri"] for i in existing.inputs]
+            if trained_on and plan["train_ready_uri"] not in trained_on:
+                # a run id names one training run; reusing it for other data would be a silent lie
+                raise AirflowFailException(
+                    f"run_id: run {plan['run_id']} already has a model trained on {trained_on[0]}, not on "
+                    f"{plan['train_ready_uri']}; give this training a new run_id")
             self.log.info("train: model %s is already committed; nothing to do", plan["model_uri"])
             return _summary(existing, True)
         self.log.info("train: run %s (%s launcher), resuming from its newest checkpoint if any",
