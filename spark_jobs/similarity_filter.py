@@ -11,8 +11,9 @@ Reads a committed enriched artifact and, in Spark:
   5. pack each split into `seq_len` rows (best-fit decreasing), written as parquet.
 Every dropped record goes to `rejects/` with its reason; the manifest counts in = out + rejected
 by reason, and carries tokens per split, packing efficiency and the tokenizer/template identity.
-Output files have deterministic names and content, and a committed output is never rewritten:
-re-running with the same input and config is a no-op.
+Output files have deterministic names and rows (the same rows in the same files and order on a
+re-run; the Parquet bytes can still differ, parquet-mr lists column encodings in hash order), and
+a committed output is never rewritten: re-running with the same input and config is a no-op.
 """
 
 from __future__ import annotations

@@ -155,3 +155,28 @@ def test_split_of_is_a_pure_function_of_id_and_seed():
     assert a == [split_of(i, 1, 0.25) for i in ids]
     assert 0.2 < a.count("val") / len(a) < 0.3
     assert [split_of(i, 1, 0.0) for i in ids].count("val") == 0
+
+
+def test_tokenize_partitions_trains_on_the_reasoning_trace_only_when_configured():
+    import json
+
+    import pandas as pd
+
+    from pipeline_core.config import FilterSection
+    from spark_jobs.similarity_filter import tokenize_partitions
+
+    tok = load_tokenizer("mistral-v1")
+    raw = json.dumps({"id": "a", "question": "Q?"})
+    pdf = pd.DataFrame({"id": ["a", "b"], "key": [1, 2], "split": ["train", "val"],
+                        "relevant": [np.array(["Some context."]), np.array([], dtype=object)],
+                        "question": ["Why is the sky blue?", "Q?"], "answer": ["Rayleigh scattering.", "A."],
+                        "reasoning_trace": ["Short wavelengths scatter more.", None],
+                        "reason": [None, "near_duplicate"], "raw": [raw, raw]})
+    for on in (False, True):
+        (out,) = tokenize_partitions(iter([pdf]), FilterSection(train_on_reasoning=on, seq_len=64, max_tokens=64))
+        a, b = out.to_dict("records")
+        answer = tok.decode([t for t, lab in zip(a["input_ids"], a["labels"], strict=True) if lab != IGNORE_INDEX])
+        trace = "<think>\nShort wavelengths scatter more.\n</think>\n\n"
+        assert answer == (trace if on else "") + "Rayleigh scattering."
+        assert tok.decode(a["input_ids"]).startswith("[INST] Some context.\n\nWhy is the sky blue? [/INST]")
+        assert a["reason"] is None and b["reason"] == "near_duplicate" and b["input_ids"] is None and b["raw"] == raw
