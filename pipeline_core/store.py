@@ -8,6 +8,7 @@ whether they check `ChecksumSHA256` themselves. Callers that hold a manifest pas
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import os
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from pipeline_core.config import StorageSection
 
 CHUNK = 8 * 1024 * 1024
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 
 class StoreError(RuntimeError):
@@ -138,6 +141,7 @@ class LocalStore(ObjectStore):
         dest.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
         os.close(fd)
+        os.chmod(name, 0o666 & ~_UMASK)  # mkstemp makes 0600; objects get ordinary file permissions
         return Path(name)
 
     def put_file(self, key: str, path: str | Path, if_none_match: bool = False) -> ObjectInfo:
@@ -342,17 +346,31 @@ class S3Store(ObjectStore):
         return len(keys)
 
 
+_CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+
+
 def s3_client(storage: StorageSection | None) -> tuple[Any, Any]:
-    """A boto3 S3 client and TransferConfig from the storage section. Credentials come from the
-    Airflow connection `aws_conn_id` when set, else from boto3's usual chain (environment,
-    profile, instance role)."""
+    """A boto3 S3 client and TransferConfig from the storage section, reused across calls with the
+    same settings and credentials (building one costs ~50 ms; clients are thread-safe)."""
+    from pipeline_core.config import StorageSection
+
+    storage = storage or StorageSection()
+    # The pid keeps a forked child (Spark worker, launcher) from reusing its parent's sockets.
+    creds = (os.getpid(), *(os.environ.get(k) for k in _CREDENTIAL_ENV))
+    return _cached_s3_client(storage.model_dump_json(), creds)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_s3_client(storage_json: str, _key: tuple[object, ...]) -> tuple[Any, Any]:
+    """Credentials come from the Airflow connection `aws_conn_id` when set, else from boto3's usual
+    chain (environment, profile, instance role); `_key` is part of the cache key only."""
     import boto3
     from boto3.s3.transfer import TransferConfig
     from botocore.config import Config as BotoConfig
 
     from pipeline_core.config import StorageSection
 
-    storage = storage or StorageSection()
+    storage = StorageSection.model_validate_json(storage_json)
     session = boto3.session.Session()
     endpoint = storage.endpoint_url
     if storage.aws_conn_id:

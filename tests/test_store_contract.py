@@ -248,3 +248,22 @@ def test_latest_pointer_format(store_root, tmp_path):
         write_latest(uris.join(root, "runs/r1/checkpoints"), uri2, storage)
     write_latest(uris.join(root, "runs/r1/checkpoints"), uri2, storage, replace=True)
     assert read_latest(uris.join(root, "runs/r1/checkpoints"), storage) == uri2
+
+
+def test_local_objects_get_ordinary_permissions(local_store_uri, tmp_path):
+    store, key = open_store(local_store_uri)
+    store.put_bytes(f"{key}/a.bin", b"x")
+    src = tmp_path / "f"
+    src.write_bytes(b"y")
+    store.put_file(f"{key}/b.bin", src)
+    for name in ("a.bin", "b.bin"):
+        mode = (uris.to_local_path(local_store_uri) / name).stat().st_mode & 0o777
+        assert mode & 0o044, f"{name} is readable only by its owner ({oct(mode)}): other users of the store cannot read it"
+
+
+def test_s3_clients_are_reused_per_settings(s3_server):
+    a, _ = open_store("s3://bucket-a/x", s3_server.storage)
+    b, _ = open_store("s3://bucket-b/y", s3_server.storage)
+    c, _ = open_store("s3://bucket-a/x", s3_server.storage.model_copy(update={"max_attempts": 2}))
+    assert a.client is b.client
+    assert c.client is not a.client
