@@ -94,7 +94,8 @@ def bench_tokenize_pack(spark, rows: list[dict], seq_len: int, work: Path) -> di
     }
 
 
-def semi_synthetic(n: int, centres: np.ndarray, seed: int, rows_per_topic: int = 20) -> tuple[np.ndarray, int]:
+def semi_synthetic(n: int, centres: np.ndarray, seed: int, rows_per_topic: int = 20,
+                   topics: int | None = None) -> tuple[np.ndarray, int]:
     """n rows of [q;a] (each half unit-norm). Topics: n / rows_per_topic sub-topics around the real
     embedding centres (sub-topics of one centre have cosine ~0.55: related, not the same); rows of one
     topic have cosine ~0.7 (same topic, different question); 10% of rows are planted near-duplicate
@@ -108,7 +109,7 @@ def semi_synthetic(n: int, centres: np.ndarray, seed: int, rows_per_topic: int =
         return (v / np.linalg.norm(v, axis=2, keepdims=True)).reshape(len(v), 2 * dim)
 
     centres = unit_halves(np.unique(np.round(centres, 4), axis=0))
-    n_topics = max(1, n // rows_per_topic)
+    n_topics = topics or max(1, n // rows_per_topic)  # fixed `topics`: density grows with n (worst case)
     topics = unit_halves(centres[rng.integers(0, len(centres), n_topics)] + rng.normal(0, 0.046, (n_topics, 2 * dim)))
     base = unit_halves(topics[rng.integers(0, n_topics, n)] + rng.normal(0, 0.0335, (n, 2 * dim)))
     twins = rng.random(n) < 0.1
@@ -134,7 +135,7 @@ def cpu_seconds() -> float:
     return total
 
 
-def bench_lsh(spark, n: int, centres: np.ndarray, work: Path, rows_per_topic: int = 20) -> dict:
+def bench_lsh(spark, n: int, centres: np.ndarray, work: Path, rows_per_topic: int = 20, topics: int | None = None) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
     from pyspark.sql import functions as F
@@ -142,7 +143,7 @@ def bench_lsh(spark, n: int, centres: np.ndarray, work: Path, rows_per_topic: in
     from pipeline_core.config import FilterSection
     from spark_jobs.dedup import find_near_duplicates
 
-    vecs, planted = semi_synthetic(n, centres, seed=n, rows_per_topic=rows_per_topic)
+    vecs, planted = semi_synthetic(n, centres, seed=n, rows_per_topic=rows_per_topic, topics=topics)
     path = work / f"vec-{n}.parquet"
     pq.write_table(pa.table({"id": [f"r{i:09d}" for i in range(n)], "_vec": list(vecs)}), path)
     df = spark.read.parquet(f"file://{path}").withColumn("_key", F.xxhash64("id"))
@@ -163,7 +164,7 @@ def bench_lsh(spark, n: int, centres: np.ndarray, work: Path, rows_per_topic: in
     found = np.array([int(keys[j]) in dropped for j in sample])
     return {"rows": n, "seconds": round(dt, 2), "cpu_seconds": round(cpu, 2), "rows_per_s": round(n / dt),
             "dropped": len(dropped),
-            "planted_twins": planted, "rows_per_topic": rows_per_topic,
+            "planted_twins": planted, "rows_per_topic": n / topics if topics else rows_per_topic,
             "sample_recall": round(float((found & truth).sum() / max(1, truth.sum())), 4),
             "sample_false_drops": int((found & ~truth).sum()), "sample_size": len(sample)}
 
@@ -175,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lsh-rows", type=int, default=20_000)
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--skip", choices=["pack", "lsh"], default=None)
+    ap.add_argument("--topics", type=int, default=None,
+                    help="fixed number of topics for both sizes (denser topics at 4N: the worst case)")
     ap.add_argument("--json", default=None, help="write the results here too")
     args = ap.parse_args(argv)
 
@@ -208,9 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                         qa.append((n["question"], n["answer"]))
             centres = np.concatenate([embed([q for q, _ in qa]), embed([a for _, a in qa])], axis=1)
             bench_lsh(spark, 2000, centres, work)  # warm-up: JVM, Python workers
-            small = bench_lsh(spark, args.lsh_rows, centres, work)
+            small = bench_lsh(spark, args.lsh_rows, centres, work, topics=args.topics)
             print(json.dumps(small), flush=True)
-            large = bench_lsh(spark, 4 * args.lsh_rows, centres, work)
+            large = bench_lsh(spark, 4 * args.lsh_rows, centres, work, topics=args.topics)
             print(json.dumps(large), flush=True)
             out["lsh"] = {"N": small, "4N": large, "time_ratio": round(large["seconds"] / small["seconds"], 2),
                           "cpu_ratio": round(large["cpu_seconds"] / small["cpu_seconds"], 2), "centres": len(centres)}

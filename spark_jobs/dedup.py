@@ -111,7 +111,7 @@ def find_near_duplicates(
     # vectors are joined to the (far fewer) candidates that pass.
     pairs = (
         buckets.join(leaders, ["_band", "_code"])
-        .filter(F.col("_lrank") < F.col("_rank"))
+        .filter((F.col("_lrank") < F.col("_rank")) & (F.col("_lkey") != F.col(key)))  # equal keys: same record twice
         .groupBy("_lkey", key)
         .agg(F.count(F.lit(1)).alias("_matches"))
         .filter(F.col("_matches") >= min_band_matches)
