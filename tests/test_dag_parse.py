@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.dag_helpers import DAG_ID, REPO, airflow_env
 
 # Runs in a fresh interpreter that has Airflow loaded, like a DAG processor's parse subprocess:
@@ -70,3 +72,18 @@ def test_dag_structure_retries_pool_and_schedule(tmp_path):
     assert dag.get_task("resolve").retries == 0
     assert {o.name for o in dag.get_task("enrich").outlets} == {"mistral_finetune/enriched"}
     assert {o.name for o in dag.get_task("filter").outlets} == {"mistral_finetune/train_ready"}
+
+
+def test_deployment_settings_from_the_environment():
+    from plugins.mft_airflow.settings import load_settings
+
+    s = load_settings(env={"MFT_DEPLOY__START_DATE": "2099-01-01", "MFT_DEPLOY__GPUS": "4",
+                           "MFT_DEPLOY__SCHEDULE": "@weekly", "MFT_DEPLOY__SPARK_CONF": '{"spark.x": "1"}',
+                           "MFT_CONFIG": "/etc/mft.yaml"})
+    assert (s.start_date, s.gpus, s.schedule, s.spark_conf, s.config_file) == (
+        "2099-01-01", 4, "@weekly", {"spark.x": "1"}, "/etc/mft.yaml")
+    assert load_settings(env={"MFT_DEPLOY__SCHEDULE": ""}).schedule is None  # manual runs only
+    with pytest.raises(ValueError, match="MFT_DEPLOY__GPUS"):
+        load_settings(env={"MFT_DEPLOY__GPUS": "-1"})
+    with pytest.raises(ValueError, match="MFT_DEPLOY__NO_SUCH"):
+        load_settings(env={"MFT_DEPLOY__NO_SUCH": "1"})

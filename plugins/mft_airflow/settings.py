@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from datetime import date, datetime
 from typing import Any, Literal
 
 import yaml
@@ -78,7 +79,12 @@ def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> Dep
     data: dict[str, Any] = {}
     for key, raw in env.items():
         if key.startswith(ENV_PREFIX):
-            data[key[len(ENV_PREFIX):].lower()] = yaml.safe_load(raw) if raw != "" else None
+            try:
+                value = yaml.safe_load(raw) if raw != "" else None
+            except yaml.YAMLError:  # e.g. "@daily": a plain string
+                value = raw
+            # YAML turns 2026-01-01 into a date; every date-like setting is a string here
+            data[key[len(ENV_PREFIX):].lower()] = raw if isinstance(value, (date, datetime)) else value
     if env.get("MFT_CONFIG"):
         data.setdefault("config_file", env["MFT_CONFIG"])
     data.update(overrides)
