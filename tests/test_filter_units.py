@@ -36,7 +36,9 @@ def test_prompt_plus_completion_is_mistral_commons_own_encoding(spec):
     for prompt, completion in CASES:
         p, c = tok.encode(prompt, completion)
         assert p + c == tok.encode_full(prompt, completion)
+        assert p == tok._prompt_slow(prompt)  # whichever prompt encoder was chosen at load
         assert p[0] == tok.bos_id and c[-1] == tok.eos_id
+    assert tok._encode_prompt == tok._prompt_fast  # the fast path is in use with this mistral-common
 
 
 def test_v1_template_text():
