@@ -7,16 +7,26 @@ what makes re-running a stage a no-op.
 
 from __future__ import annotations
 
+from pydantic import BaseModel
+
 from pipeline_core import uris
 from pipeline_core.config import Config, stable_hash
 
+# How a stage runs, not what it computes: moving a job to a cluster or retuning its partitions
+# must find the artifact it already committed, not a new path.
+EXECUTION_ONLY = frozenset({"spark_master", "shuffle_partitions", "embedding_threads", "arrow_batch_rows", "spark_conf"})
+
+
+def content_settings(section: BaseModel) -> dict:
+    return section.model_dump(mode="json", exclude=set(EXECUTION_ONLY) & set(type(section).model_fields))
+
 
 def enriched_id(cfg: Config) -> str:
-    return stable_hash({"source": cfg.pipeline.source_uri, "enrich": cfg.enrich.model_dump(mode="json")})[:12]
+    return stable_hash({"source": cfg.pipeline.source_uri, "enrich": content_settings(cfg.enrich)})[:12]
 
 
 def train_ready_id(cfg: Config) -> str:
-    return stable_hash({"enriched": enriched_id(cfg), "filter": cfg.filter.model_dump(mode="json")})[:12]
+    return stable_hash({"enriched": enriched_id(cfg), "filter": content_settings(cfg.filter)})[:12]
 
 
 def dataset_uri(cfg: Config) -> str:

@@ -33,6 +33,7 @@ if __package__ in (None, ""):
 from pipeline_core import uris
 from pipeline_core.artifacts import Manifest
 from pipeline_core.config import Config, EnrichSection, load_config
+from pipeline_core.layout import content_settings
 from spark_jobs.common import (
     StageTimer,
     artifact_counts,
@@ -143,7 +144,7 @@ def score_udf(e: EnrichSection, threads: int):
 
 def stage_config(cfg: Config, input_uri: str) -> dict[str, Any]:
     """What determines the artifact's content: recorded in (and hashed into) the manifest."""
-    return {"stage": STAGE, "input": input_uri, "enrich": cfg.enrich.model_dump(mode="json")}
+    return {"stage": STAGE, "input": input_uri, "enrich": content_settings(cfg.enrich)}
 
 
 def run(input_uri: str, output_uri: str, cfg: Config, spark: SparkSession | None = None) -> Manifest:

@@ -31,6 +31,7 @@ import pandas as pd
 from pipeline_core import uris
 from pipeline_core.artifacts import Manifest, fetch_artifact, require_manifest
 from pipeline_core.config import Config, FilterSection, load_config
+from pipeline_core.layout import content_settings
 from spark_jobs.common import (
     StageTimer,
     clean_staging,
@@ -213,7 +214,7 @@ def _input_paths(input_uri: str, manifest: Manifest, cfg: Config, staging: Path)
 def stage_config(cfg: Config, input_uri: str, input_manifest: Manifest) -> dict[str, Any]:
     """What determines the artifact's content: recorded in (and hashed into) the manifest."""
     return {"stage": STAGE, "input": input_uri, "input_manifest_sha256": input_manifest.sha256,
-            "filter": cfg.filter.model_dump(mode="json")}
+            "filter": content_settings(cfg.filter)}
 
 
 def run(input_uri: str, output_uri: str, cfg: Config, spark=None) -> Manifest:

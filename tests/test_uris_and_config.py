@@ -102,3 +102,15 @@ def test_changing_a_section_changes_only_its_artifact_ids():
     b = load_config(env={}, overrides={"filter.min_qa_similarity": 0.5})
     assert layout.enriched_id(a) == layout.enriched_id(b)
     assert layout.train_ready_id(a) != layout.train_ready_id(b)
+
+
+def test_execution_settings_do_not_move_artifacts():
+    """Running on a cluster instead of a laptop must find the artifacts already committed."""
+    a = load_config(env={})
+    b = load_config(env={}, overrides={"enrich.spark_master": "spark://master:7077", "enrich.shuffle_partitions": 400,
+                                       "filter.spark_master": "yarn", "filter.spark_conf": {"spark.executor.memory": "8g"}})
+    assert layout.enriched_id(a) == layout.enriched_id(b)
+    assert layout.train_ready_id(a) == layout.train_ready_id(b)
+    c = load_config(env={}, overrides={"enrich.top_k": 2})
+    assert layout.enriched_id(a) != layout.enriched_id(c)
+    assert layout.train_ready_id(a) != layout.train_ready_id(c), "a new enriched input means new train-ready data"
