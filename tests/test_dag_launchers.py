@@ -81,8 +81,9 @@ def test_docker_launcher_mounts_a_local_store(tmp_path):
               "config_overrides": {"pipeline.store_uri": uris.qualify(tmp_path / "store"),
                                    "pipeline.staging_uri": uris.qualify(tmp_path / "staging")}}
     plan = resolve_plan(params, dag_id="d", airflow_run_id="manual__x", run_date=None, env={})
-    op = _train_op(gpus=0, shared_volume="/srv/mft-staging").build_launcher(plan)
+    op = _train_op(gpus=0, shared_volume="/srv/mft-staging", local_nproc_per_node=2).build_launcher(plan)
     assert op.device_requests is None and op._private_environment == {}
+    assert "--nproc_per_node=2" in op.command  # CPU ranks when the container has no GPU
     targets = {m["Target"]: m["Source"] for m in op.mounts}
     assert targets == {str(tmp_path / "staging"): "/srv/mft-staging", str(tmp_path / "store"): str(tmp_path / "store")}
 

@@ -141,7 +141,7 @@ def docker_operator(plan: dict[str, Any], cfg: Config, settings: DeploySettings,
     return DockerOperator(
         task_id=task_id,
         image=settings.image,
-        command=torchrun_command(plan, settings, max(settings.gpus, 1), ["torchrun"]),
+        command=torchrun_command(plan, settings, settings.gpus or settings.local_nproc_per_node, ["torchrun"]),
         environment=_container_env(cfg),
         private_environment=store_credentials(cfg),
         device_requests=gpus,
@@ -177,7 +177,7 @@ def kubernetes_operator(plan: dict[str, Any], cfg: Config, settings: DeploySetti
     gpu = {settings.gpu_resource: str(settings.gpus)} if settings.gpus else {}
     env_from = ([k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=settings.s3_secret))]
                 if settings.s3_secret else None)
-    argv = torchrun_command(plan, settings, max(settings.gpus, 1), ["torchrun"])
+    argv = torchrun_command(plan, settings, settings.gpus or settings.local_nproc_per_node, ["torchrun"])
     return KubernetesPodOperator(
         task_id=task_id,
         name=f"mft-train-{plan['run_id']}".lower().replace("_", "-").replace(".", "-")[:60].rstrip("-"),

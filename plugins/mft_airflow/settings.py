@@ -53,7 +53,8 @@ class DeploySettings(BaseModel):
 
     # --- training launchers
     train_module: str = "training.train"
-    local_nproc_per_node: int = Field(2, ge=1, description="torchrun processes (CPU ranks or GPUs)")
+    local_nproc_per_node: int = Field(
+        2, ge=1, description="torchrun processes: local launcher, and containers without GPUs (CPU ranks)")
     image: str = "mistral-finetune:latest"
     gpus: int = Field(8, ge=0, description="GPUs per training container/pod")
     gpu_resource: str = "nvidia.com/gpu"
