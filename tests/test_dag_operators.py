@@ -122,3 +122,33 @@ def test_publish_refuses_a_model_with_a_missing_file(plan, tmp_path):
     with pytest.raises(CorruptArtifact, match="model.safetensors"):
         publish_model(plan, None)
     assert read_latest(plan["models_uri"]) is None
+
+
+def test_local_launcher_is_killed_with_its_task(tmp_path):
+    import logging
+    import sys
+    import threading
+    import time
+
+    from plugins.mft_airflow.launchers import LocalTrainProcess
+
+    # a "trainer" that ignores nothing and prints until stopped
+    script = "import time\nprint('started', flush=True)\nwhile True: time.sleep(0.1)\n"
+    proc = LocalTrainProcess([sys.executable, "-c", script], env={}, cwd=str(tmp_path), log=logging.getLogger("t"))
+    errors = []
+    t = threading.Thread(target=lambda: _capture(proc.execute, errors))
+    t.start()
+    deadline = time.time() + 30
+    while proc._proc is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.on_kill(grace_s=10)
+    t.join(30)
+    assert not t.is_alive() and proc._proc.returncode != 0
+    assert errors and "training exited with status" in str(errors[0])
+
+
+def _capture(fn, errors):
+    try:
+        fn()
+    except Exception as e:  # the launcher reports the non-zero exit as a task failure
+        errors.append(e)

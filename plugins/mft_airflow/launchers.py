@@ -18,7 +18,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,12 +104,17 @@ class LocalTrainProcess:
             raise RuntimeError(f"training exited with status {rc}; errors:\n" + "\n".join(errors)
                                + "\nlast lines:\n" + "\n".join(tail))
 
-    def on_kill(self) -> None:
-        if self._proc and self._proc.poll() is None:
-            os.killpg(self._proc.pid, signal.SIGTERM)
-            timer = threading.Timer(30, lambda: self._proc and self._proc.poll() is None
-                                    and os.killpg(self._proc.pid, signal.SIGKILL))
-            timer.start()
+    def on_kill(self, grace_s: float = 30) -> None:
+        """SIGTERM first: torchrun forwards it to its ranks (which run in their own sessions) and
+        waits for them; SIGKILL the group only if that does not end it in time."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        os.killpg(self._proc.pid, signal.SIGTERM)
+        try:
+            self._proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
 
 
 def local_launcher(plan: dict[str, Any], cfg: Config, settings: DeploySettings, log: Any) -> LocalTrainProcess:
