@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline_core import sample_tables as tables
+
 SPLITS = ("chat", "code", "math", "stem", "tool")
 CATEGORY = {"chat": "chat", "code": "code", "math": "math", "stem": "stem", "tool": "tool_calling"}
 GENERATORS = ("Qwen3-235B-A22B", "DeepSeek-R1-0528")
@@ -183,6 +185,8 @@ TOOLS = (
 class _Gen:
     def __init__(self, seed: int):
         self.rng = random.Random(seed)
+        self.tables: dict[str, list] = {}  # filler topic tables per split (built on first use)
+        self.pools: dict[str, list] = {}  # their entries not drawn yet
 
     def uuid(self) -> str:
         return str(uuidlib.UUID(int=self.rng.getrandbits(128), version=4))
@@ -334,26 +338,55 @@ def _split_of(record: dict) -> str:
     return next(s for s, c in CATEGORY.items() if c == record["category"])
 
 
+def _next_item(g: _Gen, split: str):
+    """The split's next unused topic-table entry: each table is shuffled (seeded) and drawn without
+    replacement, so records are distinct until the table runs out; then it is reshuffled."""
+    if split not in g.tables:
+        g.tables[split] = {"chat": tables.chat_items, "stem": tables.stem_items, "math": tables.math_items,
+                           "code": lambda: tables.code_items(g.rng.choice), "tool": tables.tool_cases}[split]()
+    pool = g.pools.get(split)
+    if not pool:
+        pool = g.pools[split] = list(g.tables[split])
+        g.rng.shuffle(pool)
+    return pool.pop()
+
+
+def _filler_tool(g: _Gen, t: dict) -> dict:
+    cid = f"call_{g.rng.getrandbits(32):08x}"
+    call = tool_call(cid, t["name"], json.dumps(t["arguments"], ensure_ascii=False))
+    tools_meta = {"tools": [{"type": "function", "function": {"name": t["name"], "description": t["description"]}}]}
+    shape = g.rng.randrange(4)
+    system = [msg("system", f"You can call the {t['name']} tool. Answer from the tool's result.")] if shape == 0 else []
+    content = {0: "", 1: None, 2: "Let me check that for you.", 3: ""}[shape]
+    return g.record("tool", [*system, msg("user", t["question"]), msg("assistant", content, [call]),
+                             msg("tool", tables.tool_result(t)), msg("assistant", t["answer"])],
+                    kind="filler", extra_meta=tools_meta if shape in (0, 3) else None)
+
+
 def filler(g: _Gen, split: str) -> dict:
-    """An ordinary, well-formed record of `split` (variety of shapes, no expectations)."""
+    """An ordinary, well-formed record of `split` (no expectations): a question/answer pair from the
+    split's topic table (pipeline_core/sample_tables.py) that no other record of the sample uses,
+    as a plain turn, with a system prompt mixing its evidence with noise, with a <think> trace, or
+    after an earlier exchange (multi-turn). Non-English pairs stay plain."""
+    item = _next_item(g, split)
     if split == "tool":
-        t = g.rng.choice(TOOLS)
-        cid = f"call_{g.rng.getrandbits(32):08x}"
-        return g.record("tool", [msg("user", t["question"]),
-                                 msg("assistant", "", [tool_call(cid, t["name"], json.dumps(t["arguments"]))]),
-                                 msg("tool", json.dumps(t["result"])), msg("assistant", t["answer"])], kind="filler")
-    pool = [f for f in FACTS if f.split == split] or list(FACTS)
-    f = g.rng.choice(pool)
-    q = g.rng.choice([f.question, f.paraphrase])
-    shape = g.rng.randrange(3)
+        return _filler_tool(g, item)
+    shape = g.rng.randrange(4) if item.lang == "en" else 0
+    turn = [msg("user", item.question), msg("assistant", item.answer)]
     if shape == 0:
-        return g.record(split, [msg("user", q), msg("assistant", f.answer)], kind="filler")
+        return g.record(split, turn, kind="filler")
     if shape == 1:
-        system, _ = _system(g, f, n_noise=2)
-        return g.record(split, [msg("system", system), msg("user", q), msg("assistant", f.answer)], kind="filler")
-    return g.record(split, [msg("system", ""), msg("user", q),
-                            msg("assistant", f"<think>\n{_think(f)}\n</think>\n\n{f.answer}")],
-                    kind="filler", reasoning="on")
+        sentences = [item.evidence, *g.rng.sample(IRRELEVANT + tables.NOISE, 2)]
+        g.rng.shuffle(sentences)
+        return g.record(split, [msg("system", " ".join(sentences)), *turn], kind="filler")
+    if shape == 2:
+        think = f"The user asks: {item.question} I recall: {item.evidence} That answers it."
+        return g.record(split, [msg("system", ""), msg("user", item.question),
+                                msg("assistant", f"<think>\n{think}\n</think>\n\n{item.answer}")],
+                        kind="filler", reasoning="on")
+    prior = g.rng.choice([x for x in g.tables[split] if x != item and x.lang == "en"])
+    return g.record(split, [msg("system", "You are a helpful assistant."), msg("user", prior.question),
+                            msg("assistant", prior.answer), *turn], kind="filler")
 
 
 def generate(rows: int = 300, seed: int = 0) -> dict[str, list[dict]]:
