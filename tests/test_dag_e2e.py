@@ -15,7 +15,7 @@ import pytest
 from pipeline_core import uris
 from pipeline_core.artifacts import read_latest, read_manifest, verify_artifact
 from pipeline_core.config import StorageSection
-from tests.dag_helpers import DAG_ID, airflow, airflow_env, init_db
+from tests.dag_helpers import DAG_ID, REPO, airflow, airflow_env, init_db
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # whole pipeline runs on 2 shared cores
 
@@ -54,7 +54,14 @@ def task_states(home, run_id: str) -> dict[str, str]:
     return {r["task_id"]: r["state"] for r in rows}
 
 
-def check_pipeline_output(store_uri: str, storage: StorageSection | None, version: str, rows: int = 300) -> dict:
+def sample_rows(splits: tuple[str, ...] = ("chat", "code", "math", "stem", "tool")) -> int:
+    import pyarrow.parquet as pq
+
+    files = [f for s in splits for f in (REPO / "sample_data" / "nemotron_v1" / "data").glob(f"{s}-*.parquet")]
+    return sum(pq.read_metadata(f).num_rows for f in files)
+
+
+def check_pipeline_output(store_uri: str, storage: StorageSection | None, version: str, rows: int | None = None) -> dict:
     """Every stage committed its artifact under the version's prefix; rows add up; model published."""
     model_uri = read_latest(uris.join(store_uri, "models"), storage)
     assert model_uri is not None, "models/LATEST was not written"
@@ -70,7 +77,7 @@ def check_pipeline_output(store_uri: str, storage: StorageSection | None, versio
     for m in (enr, ready):
         c = m.counts
         assert c["in"] == c["out"] + sum(c.get("rejected", {}).values()) and c["out"] > 0
-    assert enr.counts["in"] == rows  # the bundled sample (or the splits asked for)
+    assert enr.counts["in"] == (rows or sample_rows())  # the bundled sample (or the splits asked for)
     assert ready.counts["in"] == enr.counts["out"]
     assert read_manifest(uris.join(run_uri, "report"), storage) is not None
     return {"model": model_uri, "run": run_uri, "enriched": enr, "train_ready": ready}
@@ -111,7 +118,7 @@ def test_dags_test_s3_store_and_rerun_reuses_artifacts(home, tmp_path, s3_server
             "config_overrides": {**TINY_OVERRIDES, "pipeline.store_uri": store,
                                  "pipeline.staging_uri": uris.qualify(tmp_path / "staging")}}
     dags_test(home, conf, "2026-01-03", s3_env)
-    got = check_pipeline_output(store, s3_server.storage, "s3-e2e", rows=90 + 54)
+    got = check_pipeline_output(store, s3_server.storage, "s3-e2e", rows=sample_rows(("chat", "math")))
     keys = {o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_bucket_uri[5:])["Contents"]}
     assert "mft/models/LATEST" in keys and "mft/runs/s3-run/model/_manifest.json" in keys
     assert any(k.startswith("mft/runs/s3-run/checkpoints/step-") for k in keys)

@@ -23,7 +23,7 @@ import requests
 import yaml
 
 from pipeline_core import uris
-from pipeline_core.artifacts import read_manifest
+from pipeline_core.artifacts import read_manifest, verify_artifact
 from tests.conftest import free_port
 from tests.dag_helpers import BIN, DAG_ID, REPO, airflow, airflow_env, init_db
 
@@ -225,6 +225,8 @@ def test_backfill_two_dates_two_dataset_versions(stack):
     assert versions == ["20260101", "20260102"]  # one dataset version per logical date
     manifests = [read_manifest(uris.qualify(d)) for d in sorted(store.glob("2026010*/enriched/*"))]
     assert len(manifests) == 2 and all(m is not None and m.counts["in"] == stack.source_rows for m in manifests)
-    # separate prefixes: same content, neither overwrote the other
-    assert manifests[0].uri != manifests[1].uri
-    assert manifests[0].content_sha256 == manifests[1].content_sha256
+    # separate prefixes, and the first is intact after the second was written
+    assert "/datasets/20260101/" in manifests[0].uri and "/datasets/20260102/" in manifests[1].uri
+    assert manifests[0].created_at < manifests[1].created_at
+    for m in manifests:
+        verify_artifact(m.uri)  # every file still matches its manifest
