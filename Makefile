@@ -28,7 +28,7 @@ $(STAMP): $(LOCK) pyproject.toml
 	@touch $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
