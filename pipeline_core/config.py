@@ -195,7 +195,7 @@ class TrainSection(Section):
     gradient_accumulation_steps: int = Field(4, ge=1, le=4096)
     steps: int = Field(20, ge=1, description="Optimizer steps for the whole run (resumes continue to this)")
     learning_rate: float = Field(1e-4, gt=0, le=1.0)
-    warmup_steps: int = Field(2, ge=0)
+    warmup_steps: int = Field(2, ge=1, description="Linear warm-up steps (DeepSpeed's WarmupLR needs at least 1)")
     checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints (the last step always saves one)")
     keep_last: int = Field(2, ge=1, le=1000, description="Checkpoints kept in the store")
     seed: int = 1234

@@ -82,6 +82,7 @@ def test_dump_round_trip(tmp_path):
         ({"pipeline.store_uri": "relative/store"}, "pipeline.store_uri", "bare path"),
         ({"enrich.reasoning": "maybe"}, "enrich.reasoning", "separate"),
         ({"enrich.nonsense": 1}, "enrich.nonsense", "Extra inputs"),
+        ({"train.warmup_steps": 0}, "train.warmup_steps", "greater than or equal to 1"),
     ],
 )
 def test_invalid_values_name_the_field(override, field, hint):
