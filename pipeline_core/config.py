@@ -90,10 +90,25 @@ class StorageSection(Section):
     read_timeout_s: float = Field(120, gt=0, le=3600)
 
 
-class EnrichSection(Section):
-    """Spark enrichment: normalisation, sentences, embeddings, similarities."""
+class SparkStageSection(Section):
+    """Settings of a Spark stage that say how it runs, not what it computes (see layout.EXECUTION_ONLY)."""
 
     spark_master: str = "local[*]"
+    shuffle_partitions: int = Field(8, ge=1, le=100_000)
+    spark_conf: dict[str, str] = Field(default_factory=dict, description="extra Spark settings (spark.* keys)")
+
+    @field_validator("spark_conf")
+    @classmethod
+    def _spark_conf(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in v if not k.startswith("spark.")]
+        if bad:
+            raise ValueError(f"keys {bad} are not Spark settings (they must start with 'spark.')")
+        return {k: str(x) for k, x in v.items()}
+
+
+class EnrichSection(SparkStageSection):
+    """Spark enrichment: normalisation, sentences, embeddings, similarities."""
+
     splits: list[str] = Field(default_factory=lambda: list(NEMOTRON_SPLITS))
     input_format: Literal["auto", "parquet", "jsonl"] = "auto"
     reasoning: Literal["separate", "drop", "inline"] = Field(
@@ -107,18 +122,8 @@ class EnrichSection(Section):
     relevance_threshold: float = Field(0.2, ge=-1.0, le=1.0)
     question_weight: float = Field(0.5, ge=0.0, le=1.0)
     answer_weight: float = Field(0.5, ge=0.0, le=1.0)
-    shuffle_partitions: int = Field(8, ge=1, le=100_000)
     embedding_threads: int = Field(0, ge=0, le=256, description="torch threads per Spark task; 0 = spark.task.cpus")
     arrow_batch_rows: int = Field(512, ge=1, le=100_000, description="records per Arrow batch into the UDFs")
-    spark_conf: dict[str, str] = Field(default_factory=dict, description="extra Spark settings (spark.* keys)")
-
-    @field_validator("spark_conf")
-    @classmethod
-    def _spark_conf(cls, v: dict[str, str]) -> dict[str, str]:
-        bad = [k for k in v if not k.startswith("spark.")]
-        if bad:
-            raise ValueError(f"keys {bad} are not Spark settings (they must start with 'spark.')")
-        return {k: str(x) for k, x in v.items()}
 
     @field_validator("splits")
     @classmethod
@@ -135,13 +140,10 @@ class EnrichSection(Section):
         return self
 
 
-class FilterSection(Section):
+class FilterSection(SparkStageSection):
     """Similarity filter, deduplication, split, tokenize and pack (spark_jobs/similarity_filter.py)."""
 
-    spark_master: str = "local[*]"
-    shuffle_partitions: int = Field(8, ge=1, le=100_000)
     arrow_batch_rows: int = Field(2048, ge=1, le=100_000, description="records per Arrow batch into the tokenizer")
-    spark_conf: dict[str, str] = Field(default_factory=dict, description="extra Spark settings (spark.* keys)")
     min_qa_similarity: float = Field(0.2, ge=-1.0, le=1.0, description="Drop pairs with question-answer cosine below this")
     exact_dedup: bool = Field(True, description="Drop exact duplicates (hash of normalised prompt and answer text)")
     near_dup_threshold: float | None = Field(
@@ -165,14 +167,6 @@ class FilterSection(Section):
     seed: int = Field(1234, description="Seed of the train/val split hash")
     pack_buffer_docs: int = Field(20_000, ge=1, le=10_000_000, description="Documents packed together (best-fit decreasing)")
     shard_tokens: int = Field(1 << 25, ge=1024, description="Target tokens per output parquet file")
-
-    @field_validator("spark_conf")
-    @classmethod
-    def _spark_conf(cls, v: dict[str, str]) -> dict[str, str]:
-        bad = [k for k in v if not k.startswith("spark.")]
-        if bad:
-            raise ValueError(f"keys {bad} are not Spark settings (they must start with 'spark.')")
-        return {k: str(x) for k, x in v.items()}
 
     @model_validator(mode="after")
     def _lsh(self) -> FilterSection:
