@@ -32,7 +32,9 @@ from tests.filter_helpers import (
 def spark():
     from spark_jobs.common import spark_session
 
-    return spark_session("test-filter", "local[2]", 2, {"spark.ui.enabled": "false"})
+    s = spark_session("test-filter", "local[2]", 2, {"spark.ui.enabled": "false"})
+    yield s
+    s.stop()  # else py4j's gateway is collected at interpreter exit and logs errors
 
 
 def make_cfg(root: Path, **filter_overrides):
