@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline_core import uris
 from pipeline_core.config import PROJECT_ROOT, stable_hash
-from pipeline_core.store import ChecksumMismatch, ObjectNotFound, PreconditionFailed, open_store, sha256_bytes
+from pipeline_core.store import (
+    ChecksumMismatch,
+    ObjectNotFound,
+    PreconditionFailed,
+    open_store,
+    sha256_bytes,
+    sha256_file,
+)
 
 if TYPE_CHECKING:
     from pipeline_core.config import StorageSection
@@ -163,8 +170,6 @@ def publish_artifact(
     )
     existing = read_manifest(uri, storage)
     if existing is not None:
-        from pipeline_core.store import sha256_file
-
         mine = [{"path": p.relative_to(local_dir).as_posix(), "size": p.stat().st_size, "sha256": sha256_file(p)}
                 for p in local_files]
         return _same_or_conflict(existing, content_hash(mine), uri)
@@ -224,8 +229,6 @@ def fetch_artifact(
 ) -> Manifest:
     """Download the committed artifact's files under `prefix` into `local_dir`, verifying each
     file's size and sha256 against the manifest. Files already present and intact are kept."""
-    from pipeline_core.store import sha256_file
-
     manifest = require_manifest(uri, storage)
     store, key = open_store(uri, storage)
     key = key.rstrip("/")

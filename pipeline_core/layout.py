@@ -10,11 +10,11 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from pipeline_core import uris
-from pipeline_core.config import Config, stable_hash
+from pipeline_core.config import Config, SparkStageSection, stable_hash
 
 # How a stage runs, not what it computes: moving a job to a cluster or retuning its partitions
 # must find the artifact it already committed, not a new path.
-EXECUTION_ONLY = frozenset({"spark_master", "shuffle_partitions", "embedding_threads", "arrow_batch_rows", "spark_conf"})
+EXECUTION_ONLY = frozenset(SparkStageSection.model_fields) | {"embedding_threads", "arrow_batch_rows"}
 
 
 def content_settings(section: BaseModel) -> dict:
