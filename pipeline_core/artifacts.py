@@ -1,9 +1,15 @@
 """Immutable artifacts, committed atomically (DESIGN.md principle 2 and "Contracts").
 
-An artifact is a prefix holding `data/…`, optionally `rejects/…`, and `_manifest.json`. The data
-files are uploaded first, the manifest last with a conditional write: an artifact exists for
-readers only once its manifest does, so a crash part-way leaves nothing visible. Publishing the
-same content again is a no-op; publishing different content under the same URI is refused.
+An artifact is a prefix holding `_manifest.json` and a payload (`data/…`, optionally `rejects/…`).
+Each publishing attempt uploads its payload under its own prefix `_attempts/<attempt>/` and then
+commits the manifest, which names that prefix, with a conditional create: the manifest is the one
+contended write. A losing writer (a zombie task and its retry, a backfill racing a manual run)
+therefore never touches the bytes a committed manifest describes, and removes its own prefix.
+Publishing the same content again is a no-op; different content under the same URI is refused.
+
+Manifests are data from the store, never trusted as paths: every file path (and the payload
+prefix) is checked to be a relative path without `..`, `.`, empty segments, backslashes or NUL
+when a manifest is read, and a fetched file must resolve inside the destination directory.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import logging
 import os
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +43,9 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "_manifest.json"
 LATEST = "LATEST"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: the payload lives under `payload` (an attempt prefix); 1: at the artifact root
+ATTEMPTS = "_attempts"
+READ_ATTEMPTS = 3  # a file whose bytes do not hash right is read again this often: a corrupt GET is transient
 
 
 class ArtifactError(RuntimeError):
@@ -70,6 +79,7 @@ class Manifest:
     timings: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     manifest_version: int = MANIFEST_VERSION
+    payload: str = ""  # prefix of the files under the artifact, e.g. _attempts/<attempt>; "" for version 1
     sha256: str = ""  # hash of the manifest's own bytes as stored; not serialised
 
     def to_json(self) -> bytes:
@@ -82,10 +92,40 @@ class Manifest:
         d.pop("sha256", None)
         m = cls(**d)
         m.sha256 = sha256_bytes(data)
+        if m.payload:
+            safe_relpath(m.payload, "manifest payload")
+        for f in m.files:
+            safe_relpath(f["path"], "manifest file path")
         return m
 
     def file_paths(self, prefix: str = "") -> list[str]:
         return [f["path"] for f in self.files if f["path"].startswith(prefix)]
+
+    def object_path(self, path: str) -> str:
+        """Where the file `path` (as listed, e.g. data/part-0.parquet) lies under the artifact's prefix."""
+        return f"{self.payload}/{path}" if self.payload else path
+
+
+def safe_relpath(path: object, what: str) -> str:
+    """`path` if it is a plain relative '/'-separated path; ValueError otherwise (the store is data)."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{what}: {path!r} is not a non-empty string")
+    segments = path.split("/")
+    if path.startswith("/") or "\\" in path or "\x00" in path or any(s in ("", ".", "..") for s in segments):
+        raise ValueError(
+            f"{what}: {path!r} is absolute or contains '..', '.', '//', a backslash or NUL; "
+            "refusing a path that could escape its directory"
+        )
+    return path
+
+
+def file_uri(uri: str, manifest: Manifest, path: str) -> str:
+    """The URI of a committed artifact's file, for readers that hand it to another tool (Spark)."""
+    return uris.join(uri, manifest.object_path(path))
+
+
+def new_attempt_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:12]
 
 
 def content_hash(files: list[dict[str, Any]]) -> str:
@@ -131,7 +171,7 @@ def read_manifest(uri: str, storage: StorageSection | None = None) -> Manifest |
         raise CorruptArtifact(f"{uris.join(uri, MANIFEST)}: {e}") from None
     try:
         return Manifest.from_json(data)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, KeyError) as e:
         raise CorruptArtifact(f"{uris.join(uri, MANIFEST)} is not a valid manifest: {e}") from None
 
 
@@ -174,12 +214,17 @@ def publish_artifact(
                 for p in local_files]
         return _same_or_conflict(existing, content_hash(mine), uri)
 
+    attempt = f"{ATTEMPTS}/{new_attempt_id()}"
     t0 = time.time()
     files = []
-    for p in local_files:
-        rel = p.relative_to(local_dir).as_posix()
-        info = store.put_file(f"{key}/{rel}", p)
-        files.append({"path": rel, "size": info.size, "sha256": info.sha256})
+    try:
+        for p in local_files:
+            rel = p.relative_to(local_dir).as_posix()
+            info = store.put_file(f"{key}/{attempt}/{rel}", p)
+            files.append({"path": rel, "size": info.size, "sha256": info.sha256})
+    except BaseException:
+        _drop_attempt(store, key, attempt)  # ours alone: nothing else names or writes it
+        raise
     upload_s = time.time() - t0
 
     input_refs = []
@@ -200,18 +245,33 @@ def publish_artifact(
         created_at=time.time(),
         timings={**(timings or {}), "upload_s": round(upload_s, 3)},
         extra=extra or {},
+        payload=attempt,
     )
     body = manifest.to_json()
     try:
         store.put_bytes(f"{key}/{MANIFEST}", body, if_none_match=True)
     except PreconditionFailed:
-        # Another writer committed first: fine if it committed the same content.
         other = read_manifest(uri, storage)
-        assert other is not None
+        if other is None:
+            _drop_attempt(store, key, attempt)
+            raise ArtifactError(f"{uri}: the manifest's conditional create failed but no manifest is there; retry") from None
+        if other.payload == attempt:
+            # our own write, whose response was lost and whose retry met itself: committed
+            log.info("artifact %s: committed by this attempt (a retried request found it)", uri)
+            return other
+        # Another writer committed first: its payload is under its own prefix; ours goes.
+        _drop_attempt(store, key, attempt)
         return _same_or_conflict(other, manifest.content_sha256, uri)
     manifest.sha256 = sha256_bytes(body)
     log.info("committed %s artifact %s: %d files, counts=%s", kind, uri, len(files), counts)
     return manifest
+
+
+def _drop_attempt(store: Any, key: str, attempt: str) -> None:
+    try:
+        store.delete_prefix(f"{key}/{attempt}/")
+    except Exception:  # best effort: an orphaned attempt prefix is garbage, never read
+        log.warning("could not remove the uncommitted attempt %s/%s", key, attempt, exc_info=True)
 
 
 def _same_or_conflict(existing: Manifest, content_sha: str, uri: str) -> Manifest:
@@ -233,22 +293,35 @@ def fetch_artifact(
     store, key = open_store(uri, storage)
     key = key.rstrip("/")
     local_dir = Path(local_dir)
+    root = local_dir.resolve()
     for f in manifest.files:
         if not f["path"].startswith(prefix):
             continue
         dest = local_dir / f["path"]
+        if not dest.resolve().is_relative_to(root):  # a symlink planted in local_dir
+            raise CorruptArtifact(f"{uris.join(uri, MANIFEST)}: file {f['path']!r} resolves outside {local_dir}")
         if dest.is_file() and dest.stat().st_size == f["size"] and sha256_file(dest) == f["sha256"]:
             continue
-        name = uris.join(uri, f["path"])
+        _fetch_file(store, f"{key}/{manifest.object_path(f['path'])}", dest, f, uris.join(uri, f["path"]))
+    return manifest
+
+
+def _fetch_file(store: Any, key: str, dest: Path, f: dict[str, Any], name: str) -> None:
+    """One verified download; a mismatch is read again (a corrupted GET on the wire is transient,
+    corrupt bytes at rest are not and fail every attempt)."""
+    for attempt in range(1, READ_ATTEMPTS + 1):
         try:
-            info = store.get_file(f"{key}/{f['path']}", dest, expected_sha256=f["sha256"])
+            info = store.get_file(key, dest, expected_sha256=f["sha256"])
         except ObjectNotFound:
             raise CorruptArtifact(f"{name} is listed in the manifest but missing from the store") from None
         except ChecksumMismatch as e:
-            raise CorruptArtifact(f"{name} is corrupt: {e}") from None
+            if attempt == READ_ATTEMPTS:
+                raise CorruptArtifact(f"{name} is corrupt ({READ_ATTEMPTS} reads): {e}") from None
+            log.warning("%s: read %d/%d did not verify (%s); reading again", name, attempt, READ_ATTEMPTS, e)
+            continue
         if info.size != f["size"]:
             raise CorruptArtifact(f"{name} is corrupt: size {info.size} != manifest's {f['size']}")
-    return manifest
+        return
 
 
 def verify_artifact(uri: str, storage: StorageSection | None = None) -> Manifest:

@@ -88,6 +88,9 @@ class StorageSection(Section):
     max_attempts: int = Field(8, ge=1, le=20, description="Attempts per request on throttling / 5xx")
     connect_timeout_s: float = Field(10, gt=0, le=300)
     read_timeout_s: float = Field(120, gt=0, le=3600)
+    credentials_refresh_s: int = Field(
+        900, ge=0, le=86_400, description="Rebuild S3 clients (re-reading static credentials) at least this often; 0 = never"
+    )
 
 
 class SparkStageSection(Section):

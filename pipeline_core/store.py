@@ -8,12 +8,16 @@ whether they check `ChecksumSHA256` themselves. Callers that hold a manifest pas
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import io
+import logging
 import os
+import random
 import shutil
 import tempfile
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +28,10 @@ from pipeline_core import uris
 if TYPE_CHECKING:
     from pipeline_core.config import StorageSection
 
+log = logging.getLogger(__name__)
+
 CHUNK = 8 * 1024 * 1024
+LOCK_SUFFIX = ".lock"
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
@@ -34,7 +41,7 @@ class StoreError(RuntimeError):
 
 
 class PreconditionFailed(StoreError):
-    """A conditional write lost: the key already exists."""
+    """A conditional write lost: the key already exists (create) or changed since it was read (replace)."""
 
 
 class ChecksumMismatch(StoreError):
@@ -75,7 +82,13 @@ class ObjectStore(ABC):
     def put_file(self, key: str, path: str | Path, if_none_match: bool = False) -> ObjectInfo: ...
 
     @abstractmethod
-    def put_bytes(self, key: str, data: bytes, if_none_match: bool = False) -> ObjectInfo: ...
+    def put_bytes(self, key: str, data: bytes, if_none_match: bool = False, if_match: str | None = None) -> ObjectInfo:
+        """`if_none_match`: create only if absent. `if_match`: replace only if the object's current
+        etag (from `get_versioned`) is still `if_match`. Either raises PreconditionFailed on losing."""
+
+    @abstractmethod
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        """The object's bytes and its etag, the token a later `put_bytes(if_match=...)` compares."""
 
     @abstractmethod
     def get_file(self, key: str, path: str | Path, expected_sha256: str | None = None) -> ObjectInfo: ...
@@ -158,15 +171,38 @@ class LocalStore(ObjectStore):
         self._commit(tmp, dest, key, if_none_match)
         return ObjectInfo(key, size, h.hexdigest())
 
-    def put_bytes(self, key: str, data: bytes, if_none_match: bool = False) -> ObjectInfo:
+    def put_bytes(self, key: str, data: bytes, if_none_match: bool = False, if_match: str | None = None) -> ObjectInfo:
         dest = self._path(key)
         tmp = self._tmp(dest)
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        self._commit(tmp, dest, key, if_none_match)
-        return ObjectInfo(key, len(data), sha256_bytes(data))
+        if if_match is None:
+            self._commit(tmp, dest, key, if_none_match)
+        else:
+            self._replace_if(tmp, dest, key, if_match)
+        return ObjectInfo(key, len(data), sha256_bytes(data), sha256_bytes(data))
+
+    def _replace_if(self, tmp: Path, dest: Path, key: str, if_match: str) -> None:
+        """Compare-and-swap under an exclusive lock on a sidecar file: the etag of a local object
+        is its sha256, so the comparison and the rename happen as one step for every writer that
+        uses this method (conditional creates use `link`, which cannot overwrite)."""
+        lock = dest.with_name(f".{dest.name}{LOCK_SUFFIX}")
+        with open(lock, "a") as fd:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = sha256_file(dest) if dest.is_file() else None
+                if current != if_match:
+                    tmp.unlink(missing_ok=True)
+                    raise PreconditionFailed(f"{self.uri(key)} changed since it was read (etag {current} != {if_match})")
+                os.replace(tmp, dest)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        data = self.get_bytes(key)
+        return data, sha256_bytes(data)
 
     def get_file(self, key: str, path: str | Path, expected_sha256: str | None = None) -> ObjectInfo:
         src = self._path(key)
@@ -208,8 +244,8 @@ class LocalStore(ObjectStore):
         out = []
         for dirpath, _, files in os.walk(base):
             for f in files:
-                if f.startswith(".") and f.endswith(".tmp"):
-                    continue  # an in-flight write
+                if f.startswith(".") and f.endswith((".tmp", LOCK_SUFFIX)):
+                    continue  # an in-flight write, or the lock of a conditional replace
                 p = Path(dirpath) / f
                 key = p.relative_to(self.root).as_posix()
                 if key.startswith(prefix):
@@ -231,11 +267,12 @@ class LocalStore(ObjectStore):
 class S3Store(ObjectStore):
     """One bucket of an S3-compatible server (AWS, MinIO, moto...)."""
 
-    def __init__(self, bucket: str, client: Any, transfer_config: Any, multipart_threshold: int):
+    def __init__(self, bucket: str, client: Any, transfer_config: Any, multipart_threshold: int, max_attempts: int = 8):
         self.bucket = bucket
         self.client = client
         self.transfer_config = transfer_config
         self.multipart_threshold = multipart_threshold
+        self.max_attempts = max_attempts
 
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{key.lstrip('/')}"
@@ -243,18 +280,34 @@ class S3Store(ObjectStore):
     def _err_code(self, e: Exception) -> str:
         return str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
 
-    def _conditional_put(self, key: str, body: Any, sha: str, size: int) -> ObjectInfo:
+    def _conditional_put(self, key: str, body: Any, sha: str, size: int, if_match: str | None = None) -> ObjectInfo:
+        """One conditional PUT. 412 means another writer won. 409 ConditionalRequestConflict means a
+        concurrent conditional write on the same key was in flight: the outcome is unknown, so the
+        request is retried (with backoff, up to storage.max_attempts) instead of being read as a loss."""
         from botocore.exceptions import ClientError
 
-        try:
-            r = self.client.put_object(
-                Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*", Metadata={"sha256": sha}
-            )
-        except ClientError as e:
-            if self._err_code(e) in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-                raise PreconditionFailed(f"{self.uri(key)} already exists") from None
-            raise
-        return ObjectInfo(key, size, sha, r.get("ETag"))
+        cond = {"IfNoneMatch": "*"} if if_match is None else {"IfMatch": if_match}
+        for attempt in range(1, self.max_attempts + 1):
+            if hasattr(body, "seek"):
+                body.seek(0)
+            try:
+                r = self.client.put_object(Bucket=self.bucket, Key=key, Body=body, Metadata={"sha256": sha}, **cond)
+            except ClientError as e:
+                code = self._err_code(e)
+                if code in ("PreconditionFailed", "412"):
+                    what = "already exists" if if_match is None else f"changed since it was read (etag {if_match})"
+                    raise PreconditionFailed(f"{self.uri(key)} {what}") from None
+                if code in ("ConditionalRequestConflict", "409") and attempt < self.max_attempts:
+                    delay = min(2.0, 0.05 * 2**attempt) * (0.5 + random.random())
+                    log.warning("%s: 409 %s (attempt %d/%d); retrying in %.2f s",
+                                self.uri(key), code, attempt, self.max_attempts, delay)
+                    time.sleep(delay)
+                    continue
+                if code == "NoSuchKey" and if_match is not None:
+                    raise PreconditionFailed(f"{self.uri(key)} no longer exists (expected etag {if_match})") from None
+                raise
+            return ObjectInfo(key, size, sha, r.get("ETag"))
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def put_file(self, key: str, path: str | Path, if_none_match: bool = False) -> ObjectInfo:
         sha = sha256_file(path)
@@ -268,10 +321,10 @@ class S3Store(ObjectStore):
         )
         return ObjectInfo(key, size, sha)
 
-    def put_bytes(self, key: str, data: bytes, if_none_match: bool = False) -> ObjectInfo:
+    def put_bytes(self, key: str, data: bytes, if_none_match: bool = False, if_match: str | None = None) -> ObjectInfo:
         sha = sha256_bytes(data)
-        if if_none_match:
-            return self._conditional_put(key, data, sha, len(data))
+        if if_none_match or if_match is not None:
+            return self._conditional_put(key, data, sha, len(data), if_match=if_match)
         if len(data) >= self.multipart_threshold:
             self.client.upload_fileobj(
                 io.BytesIO(data), self.bucket, key, ExtraArgs={"Metadata": {"sha256": sha}}, Config=self.transfer_config
@@ -302,7 +355,7 @@ class S3Store(ObjectStore):
         os.replace(tmp, path)
         return ObjectInfo(key, path.stat().st_size, got)
 
-    def get_bytes(self, key: str, expected_sha256: str | None = None) -> bytes:
+    def _get(self, key: str, expected_sha256: str | None) -> tuple[bytes, str]:
         from botocore.exceptions import ClientError
 
         try:
@@ -315,7 +368,13 @@ class S3Store(ObjectStore):
         got = sha256_bytes(data)
         _check(self.uri(key), got, r.get("Metadata", {}).get("sha256"))
         _check(self.uri(key), got, expected_sha256)
-        return data
+        return data, r.get("ETag", "")
+
+    def get_bytes(self, key: str, expected_sha256: str | None = None) -> bytes:
+        return self._get(key, expected_sha256)[0]
+
+    def get_versioned(self, key: str) -> tuple[bytes, str]:
+        return self._get(key, None)
 
     def head(self, key: str) -> ObjectInfo | None:
         from botocore.exceptions import ClientError
@@ -347,6 +406,27 @@ class S3Store(ObjectStore):
 
 
 _CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+# Files a long-lived container's credentials are rotated through (a mounted Kubernetes/Docker secret,
+# a web-identity token): a new mtime means new credentials, so it is part of the client cache key.
+_CREDENTIAL_FILES = ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_WEB_IDENTITY_TOKEN_FILE")
+
+
+def _mtime(path: str | None) -> float | None:
+    try:
+        return os.stat(path).st_mtime if path else None
+    except OSError:
+        return None
+
+
+def credentials_key(storage: StorageSection) -> tuple[object, ...]:
+    """What the cached client's credentials depend on. Nothing is frozen for longer than
+    `storage.credentials_refresh_s`: boto3 refreshes role / web-identity / container credentials by
+    itself, but static keys read from the environment, a profile or an Airflow connection are read
+    once per client, so clients are rebuilt when those change and at least every refresh period."""
+    epoch = int(time.time() // storage.credentials_refresh_s) if storage.credentials_refresh_s else 0
+    files = tuple(_mtime(os.environ.get(k)) for k in _CREDENTIAL_FILES)
+    # The pid keeps a forked child (Spark worker, launcher) from reusing its parent's sockets.
+    return (os.getpid(), epoch, files, *(os.environ.get(k) for k in _CREDENTIAL_ENV))
 
 
 def s3_client(storage: StorageSection | None) -> tuple[Any, Any]:
@@ -355,9 +435,7 @@ def s3_client(storage: StorageSection | None) -> tuple[Any, Any]:
     from pipeline_core.config import StorageSection
 
     storage = storage or StorageSection()
-    # The pid keeps a forked child (Spark worker, launcher) from reusing its parent's sockets.
-    creds = (os.getpid(), *(os.environ.get(k) for k in _CREDENTIAL_ENV))
-    return _cached_s3_client(storage.model_dump_json(), creds)
+    return _cached_s3_client(storage.model_dump_json(), credentials_key(storage))
 
 
 @functools.lru_cache(maxsize=16)
@@ -411,5 +489,5 @@ def open_store(uri: str, storage: StorageSection | None = None) -> tuple[ObjectS
         bucket, key = uris.split_bucket_key(uri)
         client, transfer = s3_client(storage)
         threshold = (storage.multipart_threshold_mb if storage else 64) * 1024 * 1024
-        return S3Store(bucket, client, transfer, threshold), key
+        return S3Store(bucket, client, transfer, threshold, storage.max_attempts if storage else 8), key
     raise ValueError(f"{uri!r}: the object store supports file:// and s3:// (hdfs:// is for Spark paths only)")

@@ -36,6 +36,12 @@ def require_uri(value: str, what: str = "path") -> str:
         value, scheme = "s3" + value[3:], "s3"
     if scheme not in SCHEMES:
         raise ValueError(f"{what}: unsupported scheme {scheme!r} in {value!r}; use one of {', '.join(SCHEMES)}")
+    if "?" in value or "#" in value:
+        # urlsplit would silently drop them (s3://b/run#1 -> s3://b/run): refuse rather than guess
+        raise ValueError(
+            f"{what}: {value!r} contains '?' or '#'; a store URI has no query or fragment "
+            "(rename the path, or percent-encode the character as %3F / %23)"
+        )
     parts = urlsplit(value)
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):

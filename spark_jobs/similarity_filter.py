@@ -29,7 +29,7 @@ from typing import Any
 import pandas as pd
 
 from pipeline_core import uris
-from pipeline_core.artifacts import Manifest, fetch_artifact, require_manifest
+from pipeline_core.artifacts import Manifest, fetch_artifact, file_uri, require_manifest
 from pipeline_core.config import Config, FilterSection, load_config
 from pipeline_core.layout import content_settings
 from spark_jobs.common import (
@@ -205,7 +205,7 @@ def _input_paths(input_uri: str, manifest: Manifest, cfg: Config, staging: Path)
     if not files:
         raise ValueError(f"--input {input_uri}: the enriched artifact has no data/*.parquet files")
     if uris.is_local(input_uri):
-        return [uris.join(input_uri, f) for f in files]
+        return [file_uri(input_uri, manifest, f) for f in files]
     local = staging / "_input"
     fetch_artifact(input_uri, local, cfg.storage, prefix="data/")
     return [uris.qualify(local / f) for f in files]

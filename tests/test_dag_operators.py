@@ -117,8 +117,8 @@ def test_publish_reports_losses_and_moves_latest_last(plan, tmp_path):
 
 
 def test_publish_refuses_a_model_with_a_missing_file(plan, tmp_path):
-    _commit(tmp_path, plan["model_uri"], "model", {"data/model.safetensors": b"weights"})
-    uris.to_local_path(uris.join(plan["model_uri"], "data/model.safetensors")).unlink()
+    model = _commit(tmp_path, plan["model_uri"], "model", {"data/model.safetensors": b"weights"})
+    uris.to_local_path(uris.join(plan["model_uri"], model.object_path("data/model.safetensors"))).unlink()
     with pytest.raises(CorruptArtifact, match="model.safetensors"):
         publish_model(plan, None)
     assert read_latest(plan["models_uri"]) is None

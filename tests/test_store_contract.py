@@ -97,7 +97,7 @@ def test_crash_between_data_and_manifest_leaves_no_artifact(store_root, tmp_path
             publish_artifact(payload, uri, kind="enriched", counts={"in": 3, "out": 3}, storage=storage)
     finally:
         art.open_store = art_open
-    assert store.list(f"{key}/data/"), "data files were uploaded"
+    assert store.list(f"{key}/{artifacts.ATTEMPTS}/"), "data files were uploaded (under the attempt's prefix)"
     assert read_manifest(uri, storage) is None, "without a manifest the artifact does not exist"
     with pytest.raises(artifacts.ArtifactNotFound):
         fetch_artifact(uri, tmp_path / "out", storage)
@@ -140,7 +140,7 @@ def test_corrupted_object_is_detected_on_read(store_root, tmp_path):
     uri = uris.join(root, "datasets/v1/train/abc")
     publish_artifact(make_payload(tmp_path / "p"), uri, kind="train", storage=storage)
     store, key = open_store(uri, storage)
-    victim = f"{key}/data/part-00001.parquet"
+    victim = f"{key}/{read_manifest(uri, storage).object_path('data/part-00001.parquet')}"
     # Overwrite the object behind the store's back (bit rot, a partial overwrite, a bad copy).
     if root.startswith("s3://"):
         store.client.put_object(Bucket=store.bucket, Key=victim, Body=b"garbage")

@@ -177,7 +177,7 @@ def test_kill_resume_skips_damaged_checkpoints_and_matches_reference(setup, refe
     # 2) damage the store: the newest checkpoint gets a corrupted file, and a newer one is only
     #    partly uploaded (files, no manifest)
     store, key = open_store(layout.checkpoint_uri(run_uri, newest), storage)
-    victim = f"{key}/data/layer_03-model_states.pt"
+    victim = f"{key}/{read_manifest(layout.checkpoint_uri(run_uri, newest), storage).object_path('data/layer_03-model_states.pt')}"
     raw = bytearray(store.get_bytes(victim))
     raw[len(raw) // 2] ^= 0xFF
     s3 = boto3_client(setup)

@@ -33,7 +33,7 @@ SUMMARY = "pipeline_summary.json"
 def _check_files(uri: str, manifest: Any, storage: StorageSection | None) -> None:
     store, key = open_store(uri, storage)
     for f in manifest.files:
-        info = store.head(f"{key.rstrip('/')}/{f['path']}")
+        info = store.head(f"{key.rstrip('/')}/{manifest.object_path(f['path'])}")
         if info is None or info.size != f["size"]:
             raise CorruptArtifact(f"{uris.join(uri, f['path'])}: missing or wrong size in the store; not publishing")
 
@@ -48,7 +48,7 @@ def _losses(report_uri: str, storage: StorageSection | None) -> dict[str, Any]:
     if csv_path:
         store, key = open_store(report_uri, storage)
         sha = next(f["sha256"] for f in report.files if f["path"] == csv_path)
-        rows = [r for r in csv.DictReader(io.StringIO(store.get_bytes(f"{key.rstrip('/')}/{csv_path}", sha).decode()))
+        rows = [r for r in csv.DictReader(io.StringIO(store.get_bytes(f"{key.rstrip('/')}/{report.object_path(csv_path)}", sha).decode()))
                 if r.get("loss") not in (None, "", "None")]
         if rows:
             out.update(loss_start=float(rows[0]["loss"]), loss_end=float(rows[-1]["loss"]),
