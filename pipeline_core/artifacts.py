@@ -21,6 +21,7 @@ import os
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -163,12 +164,16 @@ def _check_counts(counts: dict[str, Any]) -> None:
 def read_manifest(uri: str, storage: StorageSection | None = None) -> Manifest | None:
     """The artifact's manifest, or None if the artifact is not committed."""
     store, key = open_store(uri, storage)
-    try:
-        data = store.get_bytes(f"{key.rstrip('/')}/{MANIFEST}")
-    except ObjectNotFound:
-        return None
-    except ChecksumMismatch as e:
-        raise CorruptArtifact(f"{uris.join(uri, MANIFEST)}: {e}") from None
+    for attempt in range(1, READ_ATTEMPTS + 1):
+        try:
+            data = store.get_bytes(f"{key.rstrip('/')}/{MANIFEST}")
+            break
+        except ObjectNotFound:
+            return None
+        except ChecksumMismatch as e:
+            if attempt == READ_ATTEMPTS:
+                raise CorruptArtifact(f"{uris.join(uri, MANIFEST)}: {e}") from None
+            log.warning("%s: read %d/%d did not verify; reading again", uris.join(uri, MANIFEST), attempt, READ_ATTEMPTS)
     try:
         return Manifest.from_json(data)
     except (ValueError, TypeError, KeyError) as e:
@@ -195,8 +200,12 @@ def publish_artifact(
     extra: dict[str, Any] | None = None,
     timings: dict[str, float] | None = None,
     storage: StorageSection | None = None,
+    seal: Callable[[str, str], dict[str, Any]] | None = None,
 ) -> Manifest:
-    """Upload every file under `local_dir` to `uri`, then commit `uri/_manifest.json`."""
+    """Upload every file under `local_dir` to `uri`, then commit `uri/_manifest.json`.
+
+    `seal(uri, content_sha256)` may add entries to `extra` once the content hash is known (the
+    trainer signs its checkpoints with it) without hashing the files a second time."""
     uri = uris.require_uri(uri, "artifact URI").rstrip("/")
     local_dir = Path(local_dir)
     counts = counts or {}
@@ -244,7 +253,7 @@ def publish_artifact(
         content_sha256=content_hash(files),
         created_at=time.time(),
         timings={**(timings or {}), "upload_s": round(upload_s, 3)},
-        extra=extra or {},
+        extra={**(extra or {}), **(seal(uri, content_hash(files)) if seal else {})},
         payload=attempt,
     )
     body = manifest.to_json()

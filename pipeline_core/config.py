@@ -213,6 +213,17 @@ class TrainSection(Section):
     )
     parity_tolerance: float = Field(1e-5, gt=0, description="Max abs logit difference allowed by verify_parity")
     peak_tflops: float | None = Field(None, gt=0, description="Per-device peak for MFU (default: known GPUs, else no MFU)")
+    max_failed_pushes: int = Field(
+        3, ge=1, le=100, description="Consecutive failed checkpoint pushes before training stops (local copies are kept)"
+    )
+    max_pending_pushes: int = Field(2, ge=1, le=64, description="Saved checkpoints waiting for upload before a save waits")
+    push_backoff_s: float = Field(2.0, ge=0, le=600, description="First retry delay of a failed push (doubles, max 60 s)")
+    lease_ttl_s: float = Field(
+        120, ge=2, le=3600, description="Run lease lifetime: a dead trainer's run can be resumed this long after it died"
+    )
+    resume_across_changes: bool = Field(
+        False, description="Resume a checkpoint made with other train content settings or another input (deliberately)"
+    )
 
     @field_validator("partition_method")
     @classmethod

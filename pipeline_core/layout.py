@@ -17,6 +17,21 @@ from pipeline_core.config import Config, SparkStageSection, stable_hash
 EXECUTION_ONLY = frozenset(SparkStageSection.model_fields) | {"embedding_threads", "arrow_batch_rows"}
 
 
+# Train settings a resume may change: how the run executes, not what its weights and data position mean.
+# Every other train field (model, seq_len, lr, batch shape, seed, precision, ds_config, ...) must match
+# the checkpoint's, or the resume is refused (training/checkpoints.py ResumeContract). `steps` may grow:
+# "continue this run to N steps" is a normal request.
+TRAIN_EXECUTION_ONLY = frozenset({
+    "steps", "checkpoint_every", "keep_last", "eval_batches", "verify_parity", "parity_tolerance", "peak_tflops",
+    "attention_backend", "fast_kernels", "activation_checkpoint_interval", "max_failed_pushes",
+    "max_pending_pushes", "push_backoff_s", "lease_ttl_s", "resume_across_changes",
+})
+
+
+def train_content_settings(train: dict) -> dict:
+    return {k: v for k, v in train.items() if k not in TRAIN_EXECUTION_ONLY}
+
+
 def content_settings(section: BaseModel) -> dict:
     return section.model_dump(mode="json", exclude=set(EXECUTION_ONLY) & set(type(section).model_fields))
 

@@ -106,6 +106,10 @@ class ObjectStore(ABC):
     @abstractmethod
     def delete(self, key: str) -> None: ...
 
+    @abstractmethod
+    def copy(self, src_key: str, dst_key: str) -> None:
+        """Server-side copy (S3) / file copy (local) of one object."""
+
     def delete_prefix(self, prefix: str) -> int:
         objs = self.list(prefix)
         for o in objs:
@@ -255,6 +259,15 @@ class LocalStore(ObjectStore):
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
+    def copy(self, src_key: str, dst_key: str) -> None:
+        src = self._path(src_key)
+        if not src.is_file():
+            raise ObjectNotFound(self.uri(src_key))
+        dest = self._path(dst_key)
+        tmp = self._tmp(dest)
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dest)
+
     def delete_prefix(self, prefix: str) -> int:
         n = super().delete_prefix(prefix)
         d = self._path(prefix)
@@ -396,6 +409,12 @@ class S3Store(ObjectStore):
 
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=key)
+
+    def copy(self, src_key: str, dst_key: str) -> None:
+        sha = self._stored_sha(src_key)
+        self.client.copy({"Bucket": self.bucket, "Key": src_key}, self.bucket, dst_key,
+                         ExtraArgs={"Metadata": {"sha256": sha or ""}, "MetadataDirective": "REPLACE"},
+                         Config=self.transfer_config)
 
     def delete_prefix(self, prefix: str) -> int:
         keys = [o.key for o in self.list(prefix)]

@@ -34,7 +34,8 @@ pytestmark = pytest.mark.slow
 def _env(extra: dict[str, str]) -> dict[str, str]:
     env = {**os.environ, **extra}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
-               TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
+               TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"),
+               MFT_CHECKPOINT_HMAC_KEY="e2e-test-checkpoint-signing-key")
     return env
 
 
@@ -87,6 +88,7 @@ def setup(tmp_path_factory, s3_server):
         "train.gradient_accumulation_steps": 2, "train.steps": STEPS, "train.checkpoint_every": 4,
         "train.keep_last": 2, "train.precision": "fp32", "train.learning_rate": 2e-3, "train.warmup_steps": 1,
         "train.verify_parity": True, "train.eval_batches": 2, "train.ds_config": str(ds_path),
+        "train.lease_ttl_s": 6,  # the killed run's lease expires quickly (a live one is renewed every 2 s)
     })
     cfg_path = cfg.dump(tmp / "config.yaml")
     # The run that gets killed is planned longer, so that it is surely still training when the
@@ -189,7 +191,9 @@ def test_kill_resume_skips_damaged_checkpoints_and_matches_reference(setup, refe
 
     # 3) restart (now for STEPS steps): skips both with a warning naming them, resumes from the
     #    previous checkpoint
-    out = _run(cmd, env, tmp / "killed-2.log")
+    # on a fresh machine (new staging): what the killed attempt saved locally but never pushed is gone,
+    # so the resume point is decided by the store alone
+    out = _run(cmd, {**env, "MFT__PIPELINE__STAGING_URI": uris.qualify(tmp / "staging-fresh")}, tmp / "killed-2.log")
     assert f"skipping checkpoint {layout.checkpoint_uri(run_uri, partial_step)}: no manifest" in out
     assert f"skipping checkpoint {layout.checkpoint_uri(run_uri, newest)}" in out and "layer_03" in out
     assert f"resumed from {layout.checkpoint_uri(run_uri, previous)}: step {previous}" in out

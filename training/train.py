@@ -36,6 +36,7 @@ from pipeline_core.artifacts import fetch_artifact, publish_artifact, read_manif
 from pipeline_core.config import PROJECT_ROOT, Config, load_config
 from training import checkpoints as ckpt
 from training.data import COLUMNS, MicroBatches, ShardSet, columns_for, split_files
+from training.lease import RunLease, attempt_id
 from training.metrics import MetricsLog, flops_per_token, peak_tflops, write_report
 from training.model import build_pipeline_module, pipe_layers, prepare_hf_config
 
@@ -139,7 +140,8 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
     if art_seq is not None and int(art_seq) != t.seq_len:
         raise TrainConfigError(f"train.seq_len={t.seq_len} but the input artifact is packed to seq_len={art_seq}")
     dp = world_size // t.pipeline_stages
-    staging = uris.to_local_path(layout.staging_dir(cfg, "runs", run_id))
+    # per attempt: a zombie attempt and its retry never share (or wipe) each other's files
+    staging = uris.to_local_path(layout.staging_dir(cfg, "runs", run_id)) / "attempts" / attempt_id()
     return Plan(cfg, input_uri, run_uri, run_id, world_size, t.pipeline_stages, dp, hf_config, base_config,
                 build_ds_config(cfg, dp, on_gpu), staging)
 
@@ -161,21 +163,6 @@ def resolve_base_model(base_model: str, local_rank: int) -> Path:
     if local_rank != 0:
         path = get()
     return path
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def broadcast(obj, src: int = 0):
@@ -228,15 +215,22 @@ def main(argv=None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
     plan = make_plan(cfg, args.input, args.output, world_size, on_gpu)  # raises before any weights load
-    if read_manifest(layout.model_uri(plan.run_uri), cfg.storage) is not None:
-        log.info("run %s is complete (model/ is committed); nothing to do", plan.run_uri)
-        return 0
-    return Trainer(plan).run()
+    if all(read_manifest(u, cfg.storage) is not None for u in (layout.model_uri(plan.run_uri),
+                                                                layout.report_uri(plan.run_uri))):
+        log.info("run %s is complete (model/ and report/ are committed); nothing to do", plan.run_uri)
+        return 0  # a model without its report is repaired: the run resumes from its last checkpoint
+    lease = RunLease(plan.run_uri, cfg.storage, cfg.train.lease_ttl_s, plan.staging.name).acquire() if rank == 0 else None
+    try:
+        return Trainer(plan, lease).run()
+    finally:
+        if lease is not None:
+            lease.release()
 
 
 class Trainer:
-    def __init__(self, plan: Plan):
+    def __init__(self, plan: Plan, lease: RunLease | None = None):
         self.plan = plan
+        self.lease = lease  # rank 0's hold on runs/<run_id>/: every store write of the run checks it
         self.cfg = plan.cfg
         self.t = plan.cfg.train
         self.storage = plan.cfg.storage
@@ -258,11 +252,17 @@ class Trainer:
     def _prepare_staging(self) -> None:
         import torch.distributed as dist
 
+        run_staging = self.plan.staging.parent.parent
+        if self.rank == 0:  # holds the lease: earlier attempts are dead; push what they saved, drop the rest
+            self.ckpt_key = ckpt.hmac_key(self.cfg.pipeline.staging_uri)
+            ckpt.prepare_attempt(run_staging, self.plan.staging, self.plan.run_uri, self.storage, key=self.ckpt_key,
+                                 keep_last=self.t.keep_last, lease=self.lease)
+        dist.barrier()
         if self.local_rank == 0:
-            # local state of a previous attempt is never trusted: the store is the source of truth
-            shutil.rmtree(self.plan.staging / "checkpoints", ignore_errors=True)
-            shutil.rmtree(self.plan.staging / "export", ignore_errors=True)
-            shutil.rmtree(self.plan.staging / "resume", ignore_errors=True)
+            self.plan.staging.mkdir(parents=True, exist_ok=True)
+            (run_staging / "input").mkdir(parents=True, exist_ok=True)
+            if not (self.plan.staging / "input").is_symlink():  # the verified input is shared by the run's attempts
+                (self.plan.staging / "input").symlink_to(run_staging / "input", target_is_directory=True)
             fetch_artifact(self.plan.input_uri, self.plan.staging / "input", self.storage, prefix="data/")
         dist.barrier()
 
@@ -298,9 +298,12 @@ class Trainer:
         # ---- resume
         restored = None
         if self.rank == 0:
-            restored = ckpt.fetch_newest_valid(plan.run_uri, self.storage, plan.staging / "resume")
+            contract = ckpt.resume_contract(self.cfg.model_dump(mode="json"), plan.input_uri, self.storage,
+                                            t.resume_across_changes)
+            restored = ckpt.fetch_newest_valid(plan.run_uri, self.storage, plan.staging / "resume", contract=contract,
+                                               key=self.ckpt_key, lease=self.lease)
             ckpt.discard_after(plan.run_uri, self.storage, restored.step if restored else 0,
-                               restored.uri if restored else None)
+                               restored.uri if restored else None, lease=self.lease)
         restored = broadcast(restored)
         start_step, position = 0, 0
         if restored is not None:
@@ -309,7 +312,7 @@ class Trainer:
             if client is None:
                 raise RuntimeError(f"DeepSpeed could not load checkpoint {restored.uri}")
             start_step, position = int(client["step"]), int(client["data_position"])
-            set_rng_state(torch.load(restored.local_dir / ckpt.TAG / f"rng_rank{self.rank:05d}.pt", weights_only=False))
+            ckpt.load_rng(restored.local_dir / ckpt.TAG, self.rank)
             log.info("resumed from %s: step %d, data position %d", restored.uri, start_step, position)
 
         # ---- data
@@ -344,8 +347,10 @@ class Trainer:
 
         uploader = None
         if self.rank == 0:
-            uploader = ckpt.CheckpointUploader(plan.run_uri, self.storage, t.keep_last,
-                                               config=self.cfg.model_dump(mode="json"), inputs=[plan.input_uri])
+            uploader = ckpt.CheckpointUploader(
+                plan.run_uri, self.storage,
+                ckpt.PushPolicy(t.keep_last, t.max_failed_pushes, t.max_pending_pushes, t.push_backoff_s),
+                config=self.cfg.model_dump(mode="json"), inputs=[plan.input_uri], key=self.ckpt_key, lease=self.lease)
 
         # ---- train
         tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * plan.dp * t.seq_len
@@ -393,6 +398,7 @@ class Trainer:
             )
             write_report(report_dir, rows, summary)
             cfg_json = self.cfg.model_dump(mode="json")
+            self.lease.check()
             publish_artifact(export_dir, layout.model_uri(plan.run_uri), kind="model", config=cfg_json,
                              inputs=[plan.input_uri], counts={}, extra={"format": "huggingface", "step": t.steps},
                              storage=self.storage)
@@ -427,12 +433,13 @@ class Trainer:
         local = self.plan.staging / "checkpoints" / f"step-{step}"
         self.engine.save_checkpoint(str(local), tag=ckpt.TAG, save_latest=False,
                                     client_state={"step": step, "data_position": position})
-        torch.save(rng_state(), local / ckpt.TAG / f"rng_rank{self.rank:05d}.pt")
+        ckpt.save_rng(local / ckpt.TAG, self.rank)
         if metrics is not None:
             shutil.copy(metrics.csv_path, local / ckpt.TAG / "metrics.csv")
         dist.barrier()  # every rank's files are on disk before the push starts
         if uploader is not None:
-            uploader.submit(step, local, {"data_position": position})
+            ckpt.check_all_ranks(local, self.plan.world_size)
+            uploader.submit(step, local, {"data_position": position})  # raises once pushing failed for good
 
     def _evaluate(self, val_files, first, last, dp_rank, dp_size, metrics) -> dict[str, Any]:
         t = self.t
