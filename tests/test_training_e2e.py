@@ -213,3 +213,49 @@ def boto3_client(setup):
 
     return boto3.client("s3", endpoint_url=setup["cfg"].storage.endpoint_url, region_name="us-east-1",
                         aws_access_key_id="testing", aws_secret_access_key="testing")
+
+
+def test_a_second_trainer_is_refused_while_the_first_pushes(setup):
+    """Two trainers on one run id (a zombie task and its retry): the second is refused, naming the
+    holder, and the first's checkpoints are untouched."""
+    storage, tmp, env = setup["storage"], setup["tmp"], setup["env"]
+    run_uri = uris.join(setup["store"], "runs", "contended")
+    with (tmp / "first.log").open("w") as log:
+        first = subprocess.Popen(_cmd(setup["input"], run_uri, setup["long_cfg_path"]), env=env, cwd=REPO,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.time() + 300
+            for line in first.stdout:
+                log.write(line)
+                if "pushed checkpoint" in line and line.rstrip().endswith("/step-4"):
+                    break
+                assert time.time() < deadline, "no checkpoint push seen"
+            else:
+                pytest.fail("first trainer ended early: " + (tmp / "first.log").read_text()[-3000:])
+            step4 = read_manifest(layout.checkpoint_uri(run_uri, 4), storage)
+            second = subprocess.run(_cmd(setup["input"], run_uri, setup["cfg_path"]), env=env, cwd=REPO,
+                                    capture_output=True, text=True, timeout=300)
+            assert second.returncode != 0
+            assert "LeaseHeld" in second.stdout + second.stderr
+            assert "is being trained by" in second.stdout + second.stderr
+            assert first.poll() is None, "the first trainer must go on"
+            assert read_manifest(layout.checkpoint_uri(run_uri, 4), storage).sha256 == step4.sha256
+            fetch_artifact(layout.checkpoint_uri(run_uri, 4), tmp / "contended-4", storage)  # verifies every file
+        finally:
+            _kill_tree(first)
+
+
+def test_a_model_without_its_report_is_repaired_on_retry(setup, reference):
+    """Killed between the model and the report publish: the retry is not a no-op; it resumes from the
+    last checkpoint, re-publishes the same model (no-op) and the report."""
+    run_uri, _ = reference
+    storage, tmp, env = setup["storage"], setup["tmp"], setup["env"]
+    model = read_manifest(layout.model_uri(run_uri), storage)
+    store, key = open_store(layout.report_uri(run_uri), storage)
+    store.delete_prefix(key.rstrip("/") + "/")
+    assert read_manifest(layout.report_uri(run_uri), storage) is None
+    out = _run(_cmd(setup["input"], run_uri, setup["cfg_path"]), env, tmp / "repair.log")
+    assert f"resumed from {layout.checkpoint_uri(run_uri, STEPS)}: step {STEPS}" in out
+    assert read_manifest(layout.model_uri(run_uri), storage).sha256 == model.sha256, "the model was replaced"
+    assert read_manifest(layout.report_uri(run_uri), storage) is not None
+    assert sorted(_losses(run_uri, storage, tmp / "repaired-report")) == list(range(1, STEPS + 1))

@@ -1,0 +1,272 @@
+"""Faults around the trainer's checkpoints, forced deterministically against a real S3 server (moto
+over HTTP, through tests/fault_proxy.py): a second trainer, a lost lease, a corrupted GET of the
+newest checkpoint, a store refusing every PUT, tampered files, a resume under other settings.
+The whole trainer under torchrun is covered by tests/test_training_e2e.py; these drive the same
+functions the trainer calls (training/checkpoints.py, training/lease.py)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline_core import layout, uris
+from pipeline_core.artifacts import publish_artifact, read_latest, read_manifest
+from pipeline_core.config import StorageSection, load_config
+from pipeline_core.store import open_store
+from tests.fault_proxy import FaultProxy
+from training import checkpoints as ckpt
+from training.lease import LeaseHeld, LeaseLost, RunLease
+
+KEY = b"test-signing-key-0123456789abcdef"
+
+
+def _cfg_json(**train) -> dict:
+    return load_config(overrides={f"train.{k}": v for k, v in train.items()}).model_dump(mode="json")
+
+
+@pytest.fixture
+def run(s3_server, tmp_path):
+    """A run prefix on the S3 server with a committed input artifact."""
+    store = f"s3://{s3_server.new_bucket()}"
+    inp = tmp_path / "input"
+    (inp / "data" / "train").mkdir(parents=True)
+    (inp / "data" / "train" / "part-0.parquet").write_bytes(b"tokens")
+    input_uri = uris.join(store, "datasets/v/train/abc")
+    publish_artifact(inp, input_uri, kind="train-ready", storage=s3_server.storage)
+    return {"run": uris.join(store, "runs", "r1"), "input": input_uri, "storage": s3_server.storage,
+            "staging": tmp_path / "staging" / "runs" / "r1"}
+
+
+def _save(staging: Path, attempt: str, step: int, world: int = 2, salt: bytes = b"") -> Path:
+    """What Trainer._save_checkpoint leaves on disk: the DeepSpeed tag dir with every rank's files."""
+    local = staging / "attempts" / attempt / "checkpoints" / f"step-{step}"
+    tag = local / ckpt.TAG
+    tag.mkdir(parents=True)
+    for layer in range(3):
+        (tag / f"layer_{layer:02d}-model_states.pt").write_bytes(bytes([step, layer]) * 500 + salt)
+    for r in range(world):
+        (tag / f"mp_rank_{r:02d}_model_states.pt").write_bytes(b"optim" * 100 + bytes([step, r]))
+        ckpt.save_rng(tag, r)
+    return local
+
+
+def _push(r, step: int, config: dict | None = None, attempt: str = "a0", salt: bytes = b"") -> str:
+    local = _save(r["staging"], attempt, step, salt=salt)
+    p = ckpt.Pending(step, local, r["run"], config or _cfg_json(), [r["input"]], {"data_position": step * 2})
+    ckpt._push(p, r["storage"], KEY)
+    return layout.checkpoint_uri(r["run"], step)
+
+
+def _keys(r) -> dict[str, int]:
+    store, key = open_store(r["run"], r["storage"])
+    return {o.key: o.size for o in store.list(key + "/") if not o.key.endswith("_lease.json")}
+
+
+def _contract(r, allow=False, **train):
+    return ckpt.resume_contract(_cfg_json(**train), r["input"], r["storage"], allow)
+
+
+# ----------------------------------------------------------------------------- one trainer per run
+def test_a_second_trainer_is_refused_naming_the_holder_and_touches_nothing(run):
+    first = RunLease(run["run"], run["storage"], ttl_s=3, attempt="first").acquire()
+    try:
+        up = ckpt.CheckpointUploader(run["run"], run["storage"], ckpt.PushPolicy(keep_last=2), _cfg_json(),
+                                     [run["input"]], key=KEY, lease=first)
+        up.submit(2, _save(run["staging"], "first", 2), {"data_position": 4})
+        deadline = time.time() + 60
+        while up.pushed != [2]:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        second = RunLease(run["run"], run["storage"], ttl_s=3, attempt="second")
+        before = {k: v for k, v in _keys(run).items() if "/step-2/" in k}
+        with pytest.raises(LeaseHeld, match=r"being trained by .*:first") as e:
+            second.acquire()  # waits 1.5 x ttl while the first keeps renewing
+        assert "refusing to start a second trainer" in str(e.value)
+        up.submit(4, _save(run["staging"], "first", 4), {"data_position": 8})  # the first goes on undisturbed
+        up.close()
+        assert first.held and up.pushed == [2, 4]
+        after = _keys(run)
+        assert {k: v for k, v in after.items() if "/step-2/" in k} == before, "the first's checkpoint changed"
+        assert read_latest(layout.checkpoints_uri(run["run"]), run["storage"]) == layout.checkpoint_uri(run["run"], 4)
+    finally:
+        first.release()
+
+
+def test_a_dead_trainers_lease_expires_and_a_released_one_is_free_at_once(run):
+    dead = RunLease(run["run"], run["storage"], ttl_s=2, attempt="dead").acquire()
+    dead._stop.set()  # SIGKILLed: it stops renewing and never releases
+    t0 = time.monotonic()
+    nxt = RunLease(run["run"], run["storage"], ttl_s=2, attempt="next").acquire()
+    assert time.monotonic() - t0 >= 2, "taken over before the dead holder's ttl had passed"
+    nxt.release()
+    t0 = time.monotonic()
+    RunLease(run["run"], run["storage"], ttl_s=30, attempt="after").acquire().release()
+    assert time.monotonic() - t0 < 10, "a released lease must be free at once"
+
+
+def test_uploader_and_pruner_stop_the_moment_the_lease_is_lost(run):
+    lease = RunLease(run["run"], run["storage"], ttl_s=3, attempt="old").acquire()
+    up = ckpt.CheckpointUploader(run["run"], run["storage"], ckpt.PushPolicy(keep_last=1), _cfg_json(),
+                                 [run["input"]], key=KEY, lease=lease)
+    up.submit(2, _save(run["staging"], "old", 2), {})
+    deadline = time.time() + 60
+    while up.pushed != [2]:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    # another trainer takes the run over (this one was frozen past its ttl): overwrite the lease
+    store, key = open_store(lease.uri, run["storage"])
+    store.put_bytes(key, b'{"holder": "thief", "attempt": "t", "ttl_s": 3, "renewed_at": 0, "acquired_at": 0}')
+    deadline = time.time() + 30
+    while lease.held:  # the next renewal meets another etag
+        assert time.time() < deadline, "the lease was never noticed as lost"
+        time.sleep(0.1)
+    before = _keys(run)
+    with pytest.raises(LeaseLost):
+        up.submit(4, _save(run["staging"], "old", 4), {})
+    with pytest.raises(LeaseLost):
+        ckpt.discard_after(run["run"], run["storage"], 0, None, lease=lease)
+    assert _keys(run) == before, "a trainer that lost its lease wrote or deleted something"
+    assert read_manifest(layout.checkpoint_uri(run["run"], 2), run["storage"]) is not None
+
+
+# ----------------------------------------------------------------------------- failed pushes
+@pytest.mark.parametrize("status,code", [(507, "InsufficientStorage"), (403, "AccessDenied")])
+def test_failing_puts_fail_fast_keep_the_local_copy_and_the_next_attempt_pushes_it(run, s3_server, status, code):
+    with FaultProxy(s3_server.endpoint, fail_first=10_000, status=status, code=code, methods=("PUT",)) as proxy:
+        bad = StorageSection(endpoint_url=proxy.endpoint, max_attempts=2)
+        up = ckpt.CheckpointUploader(run["run"], bad, ckpt.PushPolicy(keep_last=2, max_failed_pushes=3,
+                                     backoff_s=0.01), _cfg_json(), [run["input"]], key=KEY)
+        local = _save(run["staging"], "a1", 2)
+        up.submit(2, local, {"data_position": 4})
+        deadline = time.time() + 60
+        while up._fatal is None:
+            assert time.time() < deadline, "the uploader never gave up"
+            time.sleep(0.05)
+        with pytest.raises(ckpt.PushFailed, match="train.max_failed_pushes=3"):
+            up.submit(4, _save(run["staging"], "a1", 4), {"data_position": 8})  # the next save point stops training
+        assert proxy.failed >= 3
+    assert (local / ckpt.PENDING).is_file() and any((local / ckpt.TAG).iterdir()), "the local copy must stay"
+    assert read_manifest(layout.checkpoint_uri(run["run"], 2), run["storage"]) is None
+    # the next attempt (store reachable again) pushes what was never pushed, then resumes from it
+    pushed = ckpt.prepare_attempt(run["staging"], run["staging"] / "attempts" / "a2", run["run"], run["storage"],
+                                  key=KEY, keep_last=2)
+    assert pushed == [2]
+    m = read_manifest(layout.checkpoint_uri(run["run"], 2), run["storage"])
+    assert m.extra["data_position"] == 4
+    assert not (run["staging"] / "attempts" / "a1").exists(), "pushed, so the dead attempt's directory goes"
+    got = ckpt.fetch_newest_valid(run["run"], run["storage"], run["staging"] / "resume", contract=_contract(run),
+                                  key=KEY)
+    assert got.step == 2
+
+
+def test_a_checkpoint_missing_a_ranks_files_is_refused(tmp_path):
+    local = _save(tmp_path, "a", 2, world=1)
+    with pytest.raises(ckpt.CheckpointError, match="rank.*1.*staging_uri must be a file system all nodes share"):
+        ckpt.check_all_ranks(local, world_size=2)
+
+
+# ----------------------------------------------------------------------------- bad reads never delete
+def test_one_corrupted_get_of_the_newest_checkpoint_is_retried(run, s3_server, tmp_path):
+    _push(run, 2)
+    _push(run, 4)
+    before = _keys(run)
+    with FaultProxy(s3_server.endpoint, fail_first=1, methods=("GET",), path_contains="step-4/_attempts",
+                    corrupt=True) as proxy:
+        storage = StorageSection(endpoint_url=proxy.endpoint, max_attempts=3)
+        got = ckpt.fetch_newest_valid(run["run"], storage, tmp_path / "resume", contract=_contract(run), key=KEY)
+        assert proxy.corrupted == 1
+    assert got.step == 4
+    assert _keys(run) == before, "a transient bad read must not move or delete anything"
+
+
+def test_an_unverifiable_checkpoint_is_quarantined_never_deleted(run, tmp_path):
+    _push(run, 2)
+    newest = _push(run, 4)
+    m = read_manifest(newest, run["storage"])
+    store, key = open_store(newest, run["storage"])
+    victim = f"{key}/{m.object_path('data/layer_01-model_states.pt')}"
+    store.client.put_object(Bucket=store.bucket, Key=victim, Body=b"bit rot")  # behind the store's back
+    got = ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "resume", contract=_contract(run), key=KEY)
+    assert got.step == 2
+    assert read_manifest(newest, run["storage"]) is None, "out of the resume's way"
+    q = [k for k in _keys(run) if "/quarantine/step-4/" in k]
+    assert any(k.endswith("_manifest.json") for k in q) and any(k.endswith("layer_01-model_states.pt") for k in q)
+    assert len([k for k in q if "/_attempts/" in k]) == len(m.files), "every file of the checkpoint is kept"
+    # none verifies: nothing is deleted either
+    _, k2 = open_store(layout.checkpoint_uri(run["run"], 2), run["storage"])
+    m2 = read_manifest(layout.checkpoint_uri(run["run"], 2), run["storage"])
+    store.client.put_object(Bucket=store.bucket, Key=f"{k2}/{m2.object_path('data/layer_00-model_states.pt')}",
+                            Body=b"bit rot")
+    assert ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "r2", contract=_contract(run), key=KEY) is None
+    assert any("/quarantine/step-2/" in k and k.endswith("_manifest.json") for k in _keys(run))
+
+
+# ----------------------------------------------------------------------------- the store is data
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['EVIL_MARKER']}",))
+
+
+def test_a_tampered_rng_file_is_refused_not_executed(tmp_path, monkeypatch):
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("EVIL_MARKER", str(marker))
+    tag = tmp_path / "tag"
+    tag.mkdir()
+    with open(ckpt.rng_path(tag, 0), "wb") as f:
+        pickle.dump({"torch": _Evil()}, f)
+    with pytest.raises(pickle.UnpicklingError):
+        ckpt.load_rng(tag, 0)
+    assert not marker.exists(), "loading RNG state ran code from the store"
+
+
+def test_a_tampered_deepspeed_file_with_a_rewritten_manifest_is_refused(run, tmp_path):
+    """Write access to the bucket without the signing key: the attacker swaps a DeepSpeed file (which
+    torch.load would unpickle) and rewrites the manifest so the hashes match. The signature does not."""
+    uri = _push(run, 2)
+    m = read_manifest(uri, run["storage"])
+    evil = tmp_path / "evil"
+    for f in m.files:
+        (evil / f["path"]).parent.mkdir(parents=True, exist_ok=True)
+        (evil / f["path"]).write_bytes(b"payload")
+    store, key = open_store(uri, run["storage"])
+    store.delete(f"{key}/_manifest.json")
+    publish_artifact(evil, uri, kind="checkpoint", config=m.config, inputs=[run["input"]],
+                     extra={**m.extra}, storage=run["storage"])  # the old signature, copied along
+    before = _keys(run)
+    with pytest.raises(ckpt.CheckpointUntrusted, match="does not verify"):
+        ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "resume", contract=_contract(run), key=KEY)
+    assert _keys(run) == before, "refused before anything was fetched, moved or deleted"
+    with pytest.raises(ckpt.CheckpointUntrusted, match="does not verify"):  # same with the real key elsewhere
+        ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "r2", key=b"another-key-0123456789")
+
+
+# ----------------------------------------------------------------------------- resume under other settings
+def test_resume_is_refused_when_content_settings_or_input_differ(run, tmp_path, s3_server):
+    _push(run, 2, config=_cfg_json(learning_rate=1e-4, seq_len=1024))
+    before = _keys(run)
+    with pytest.raises(ckpt.ResumeRefused, match=r"train.learning_rate: checkpoint 0.0001, this run 0.0002") as e:
+        ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "a",
+                                contract=_contract(run, learning_rate=2e-4, seq_len=1024), key=KEY)
+    assert "resume_across_changes" in str(e.value)
+    with pytest.raises(ckpt.ResumeRefused, match="train.seq_len"):
+        ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "b",
+                                contract=_contract(run, learning_rate=1e-4, seq_len=2048), key=KEY)
+    # another input (same URI re-published elsewhere = another manifest hash)
+    other = tmp_path / "other"
+    (other / "data" / "train").mkdir(parents=True)
+    (other / "data" / "train" / "p.parquet").write_bytes(b"new data")
+    other_uri = uris.join(uris.parent(uris.parent(run["run"])), "datasets/v2/train/abc")
+    publish_artifact(other, other_uri, kind="train-ready", storage=run["storage"])
+    contract = ckpt.resume_contract(_cfg_json(learning_rate=1e-4, seq_len=1024), other_uri, run["storage"], False)
+    with pytest.raises(ckpt.ResumeRefused, match="input: checkpoint trained on .*datasets/v/train/abc"):
+        ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "c", contract=contract, key=KEY)
+    assert _keys(run) == before, "a refused resume moves and deletes nothing"
+    # execution-only settings may differ; an explicit request allows a content change
+    ok = _contract(run, learning_rate=1e-4, seq_len=1024, checkpoint_every=3, keep_last=5, steps=99)
+    assert ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "d", contract=ok, key=KEY).step == 2
+    allowed = _contract(run, allow=True, learning_rate=2e-4, seq_len=1024)
+    assert ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "e", contract=allowed, key=KEY).step == 2
