@@ -207,7 +207,9 @@ def publish_artifact(
     except PreconditionFailed:
         # Another writer committed first: fine if it committed the same content.
         other = read_manifest(uri, storage)
-        assert other is not None
+        if other is None:  # the store said "exists" yet serves nothing: not something to paper over
+            raise ArtifactError(f"{uris.join(uri, MANIFEST)}: the conditional write was refused as existing, "
+                                "but no manifest can be read back; check the store's consistency") from None
         return _same_or_conflict(other, manifest.content_sha256, uri)
     manifest.sha256 = sha256_bytes(body)
     log.info("committed %s artifact %s: %d files, counts=%s", kind, uri, len(files), counts)

@@ -92,7 +92,8 @@ class LocalTrainProcess:
         )
         tail: list[str] = []
         errors: list[str] = []  # torchrun's own summary hides the ranks' exceptions: keep them
-        assert self._proc.stdout is not None
+        if self._proc.stdout is None:  # stdout=PIPE always gives one; an explicit check survives -O
+            raise RuntimeError("training launcher: no output pipe from the torchrun process")
         for line in self._proc.stdout:
             line = line.rstrip()
             self.log.info("%s", line)
