@@ -159,6 +159,8 @@ class HFChatTokenizer(ChatTokenizer):
         self.vocab_size = len(t)
         self._template = getattr(t, "chat_template", None)
         self._version = transformers.__version__
+        if self._template:  # a template that cannot be split into prompt + answer fails at load, not in an executor
+            self.encode("What is 2+2?", "4.")
 
     def _chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         out = self._tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)

@@ -58,6 +58,14 @@ def parse_stage_args(description: str, argv: Sequence[str] | None = None) -> arg
     for name in ("input", "output"):
         value = getattr(a, name)
         if value.startswith("hf://"):
+            if name == "output":
+                ap.error(f"--output {value!r}: a stage publishes to file:// or s3://, not to the hub")
+            from spark_jobs.readers import parse_hub_uri
+
+            try:
+                parse_hub_uri(value)
+            except ValueError as e:
+                ap.error(str(e))
             continue
         try:
             setattr(a, name, uris.require_uri(value, f"--{name}"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,14 +72,28 @@ def find_input_files(spark: SparkSession, input_uri: str, splits: list[str], fmt
     raise FileNotFoundError(f"no input files for splits {splits} under {input_uri}; looked for {tried}")
 
 
+HUB_PREFIX = "hf://datasets/"
+_HUB_NAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
+
+
+def parse_hub_uri(input_uri: str) -> tuple[str, str | None]:
+    """`hf://datasets/<owner>/<name>[@revision]` -> (repo id, revision or None); anything else is
+    refused here, before Spark starts or the hub is asked."""
+    spec = input_uri[len(HUB_PREFIX):] if input_uri.startswith(HUB_PREFIX) else ""
+    repo_id, at, revision = spec.partition("@")
+    parts = repo_id.split("/")
+    if (len(parts) != 2 or not all(_HUB_NAME.fullmatch(p) and ".." not in p for p in parts)
+            or (at and not revision.strip())):
+        raise ValueError(f"--input {input_uri!r}: hub datasets are written hf://datasets/<owner>/<name>[@revision], "
+                         "e.g. hf://datasets/nvidia/Nemotron-Post-Training-Dataset-v1@main")
+    return repo_id, revision or None
+
+
 def download_hub_dataset(input_uri: str, splits: list[str], dest: Path) -> str:
     """`hf://datasets/<repo-id>[@revision]` -> a local copy of the selected splits (file:// URI)."""
     from huggingface_hub import snapshot_download
 
-    spec = input_uri[len("hf://datasets/"):] if input_uri.startswith("hf://datasets/") else None
-    if not spec:
-        raise ValueError(f"--input {input_uri!r}: hub datasets are written hf://datasets/<owner>/<name>[@revision]")
-    repo_id, _, revision = spec.partition("@")
+    repo_id, revision = parse_hub_uri(input_uri)
     patterns = [f"data/{s}-*.{e}" for s in splits for e in ("parquet", "jsonl")]
     local = snapshot_download(repo_id=repo_id, repo_type="dataset", revision=revision or None,
                               allow_patterns=patterns, local_dir=str(dest))

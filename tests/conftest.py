@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,23 +30,36 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def free_port() -> int:
+    """A port that was free a moment ago: racy (another process may take it before the caller binds).
+    Only for servers that cannot bind port 0 themselves and report it; prefer binding port 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
 class S3Server:
-    """A moto S3 server on 127.0.0.1 and the settings to reach it."""
+    """A moto S3 server on 127.0.0.1 and the settings to reach it.
+
+    Credentials are never put into the session's environment: a test that uses `s3_server` gets
+    them for its own duration (the autouse `_s3_credentials`), subprocesses get `env`, and a
+    fixture of wider scope wraps its S3 calls in `with s3_server.credentials():`. So a local-store
+    test behaves the same whether or not an S3 test ran before it."""
 
     def __init__(self, endpoint: str):
         self.endpoint = endpoint
         self.storage = StorageSection(endpoint_url=endpoint, max_attempts=3)
-        self.env = {
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "MFT__STORAGE__ENDPOINT_URL": endpoint,
-        }
+        self.env = {**S3_CREDENTIALS, "MFT__STORAGE__ENDPOINT_URL": endpoint}
+
+    @contextlib.contextmanager
+    def credentials(self) -> Iterator[None]:
+        """The server's credentials in os.environ for the block, restored after it."""
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in S3_CREDENTIALS.items():
+                mp.setenv(k, v)
+            yield
 
     def client(self):
         import boto3
@@ -65,16 +80,22 @@ def s3_server():
     """moto's real S3 server (HTTP on loopback), shared by the session; one bucket per test via `s3_bucket_uri`."""
     from moto.server import ThreadedMotoServer
 
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        os.environ.setdefault(k, v)
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # port 0: the server binds a free port itself and reports it (no window for another process)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
-        yield S3Server(f"http://127.0.0.1:{port}")
+        host, port = server.get_host_and_port()
+        yield S3Server(f"http://{host}:{port}")
     finally:
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _s3_credentials(request, monkeypatch):
+    """The moto server's credentials for exactly the tests that use it (see `S3Server`)."""
+    if "s3_server" in request.fixturenames:
+        for k, v in S3_CREDENTIALS.items():
+            monkeypatch.setenv(k, v)
 
 
 @pytest.fixture
@@ -90,11 +111,13 @@ def local_store_uri(tmp_path) -> str:
 
 
 @pytest.fixture(params=["local", "s3"])
-def store_root(request, tmp_path):
+def store_root(request, tmp_path, monkeypatch):
     """(root URI, StorageSection) for each backend: the contract suite runs against both."""
     if request.param == "local":
         root = tmp_path / "store"
         root.mkdir()
         return uris.qualify(root), StorageSection()
     server = request.getfixturevalue("s3_server")
+    for k, v in S3_CREDENTIALS.items():  # requested dynamically: `_s3_credentials` could not see it
+        monkeypatch.setenv(k, v)
     return f"s3://{server.new_bucket()}", server.storage

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -22,6 +21,7 @@ from pipeline_core import layout, uris
 from pipeline_core.artifacts import fetch_artifact, read_latest, read_manifest
 from pipeline_core.config import load_config
 from pipeline_core.store import open_store
+from tests.proc_helpers import lines_within
 from tests.training_helpers import make_tiny_model, sample_train_ready
 from training.checkpoints import store_steps
 from training.metrics import read_csv
@@ -76,7 +76,8 @@ def setup(tmp_path_factory, s3_server):
     store = f"s3://{s3_server.new_bucket()}"
     model_dir = make_tiny_model(tmp / "tiny", hidden_size=32, intermediate_size=64)  # small checkpoints
     # the bundled Nemotron sample, tokenized and packed by the filter stage's own code
-    input_uri = sample_train_ready(store, tmp / "ready", seq_len=128, storage=s3_server.storage)
+    with s3_server.credentials():  # module scope: the per-test credentials fixture does not reach here
+        input_uri = sample_train_ready(store, tmp / "ready", seq_len=128, storage=s3_server.storage)
     ds = json.loads((REPO / "training" / "ds_config.json").read_text())
     ds["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_type": "linear"}}
     ds_path = tmp / "ds_config.json"
@@ -160,15 +161,20 @@ def test_kill_resume_skips_damaged_checkpoints_and_matches_reference(setup, refe
     # 1) SIGKILL the whole job right after the step-8 checkpoint is in the store
     with (tmp / "killed-1.log").open("w") as log:
         proc = subprocess.Popen(long_cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.time() + 300
-        for line in proc.stdout:
-            log.write(line)
-            if "pushed checkpoint" in line and line.rstrip().endswith("/step-8"):
+        try:
+            for line in lines_within(proc, timeout_s=300):
+                log.write(line)
+                if "pushed checkpoint" in line and line.rstrip().endswith("/step-8"):
+                    _kill_tree(proc)
+                    break
+            else:
                 _kill_tree(proc)
-                break
-            assert time.time() < deadline, "no checkpoint push seen"
-        else:
-            pytest.fail("run ended without pushing step-8: " + (tmp / "killed-1.log").read_text()[-3000:])
+                log.flush()
+                pytest.fail("run ended without pushing step-8: " + (tmp / "killed-1.log").read_text()[-3000:])
+        except TimeoutError:
+            _kill_tree(proc)
+            log.flush()
+            pytest.fail("no step-8 checkpoint push within 300 s: " + (tmp / "killed-1.log").read_text()[-3000:])
     assert read_manifest(layout.model_uri(run_uri), storage) is None, "killed run must not have finished"
     committed = [s for s in store_steps(run_uri, storage)
                  if read_manifest(layout.checkpoint_uri(run_uri, s), storage) is not None]

@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +93,8 @@ class LocalTrainProcess:
         )
         tail: list[str] = []
         errors: list[str] = []  # torchrun's own summary hides the ranks' exceptions: keep them
-        assert self._proc.stdout is not None
+        if self._proc.stdout is None:  # stdout=PIPE always gives one; an explicit check survives -O
+            raise RuntimeError("training launcher: no output pipe from the torchrun process")
         for line in self._proc.stdout:
             line = line.rstrip()
             self.log.info("%s", line)
@@ -105,16 +107,50 @@ class LocalTrainProcess:
                                + "\nlast lines:\n" + "\n".join(tail))
 
     def on_kill(self, grace_s: float = 30) -> None:
-        """SIGTERM first: torchrun forwards it to its ranks (which run in their own sessions) and
-        waits for them; SIGKILL the group only if that does not end it in time."""
+        """SIGTERM first: torchrun forwards it to its ranks and waits for them. Then SIGKILL whatever
+        is left after `grace_s`. The ranks run in their own sessions (torchrun starts them so) and
+        may have children of their own, which a process-group signal does not reach and which
+        would keep the output pipe, the GPUs and the lease: every descendant seen is signalled."""
+        import psutil
+
         if self._proc is None or self._proc.poll() is not None:
             return
+        tree = _descendants(self._proc.pid)
         os.killpg(self._proc.pid, signal.SIGTERM)
+        _signal_all(tree, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
         try:
             self._proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self._proc.pid, signal.SIGKILL)
+            pass
+        _, alive = psutil.wait_procs(tree, timeout=max(0.0, deadline - time.monotonic()))
+        if self._proc.poll() is None or alive:
+            tree = list({p.pid: p for p in tree + _descendants(self._proc.pid)}.values())
+            if self._proc.poll() is None:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            _signal_all(tree, signal.SIGKILL)
             self._proc.wait()
+            psutil.wait_procs(tree, timeout=10)
+
+
+def _descendants(pid: int) -> list[Any]:
+    """Every live descendant of `pid` (psutil.Process objects: a reused pid is not mistaken for it)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _signal_all(procs: list[Any], sig: int) -> None:
+    import psutil
+
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
 
 
 def local_launcher(plan: dict[str, Any], cfg: Config, settings: DeploySettings, log: Any) -> LocalTrainProcess:

@@ -31,6 +31,18 @@ def _plan(context: Any, task_id: str = PLAN_TASK_ID) -> dict[str, Any]:
     return plan
 
 
+def _committed_by(what: str, uri: str, storage: Any) -> Any:
+    """The manifest a stage command that exited 0 must have committed; its absence is a failure
+    of that command, said as such (not "run the stage first": it just ran)."""
+    from pipeline_core.artifacts import ArtifactNotFound, require_manifest
+
+    try:
+        return require_manifest(uri, storage)
+    except ArtifactNotFound:
+        raise RuntimeError(f"{what} finished without error but committed no artifact at {uri} (no manifest); "
+                           "the stage command must publish its output before exiting 0 -- see its log above") from None
+
+
 def _summary(manifest: Any, reused: bool) -> dict[str, Any]:
     return {"uri": manifest.uri, "kind": manifest.kind, "counts": manifest.counts, "reused": reused,
             "manifest_sha256": manifest.sha256, "extra": manifest.extra}
@@ -105,7 +117,7 @@ class SparkStageOperator(BaseOperator):
         )
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from pipeline_core.artifacts import read_manifest, require_manifest
+        from pipeline_core.artifacts import read_manifest
         from plugins.mft_airflow.plan import load_plan_config
 
         plan = _plan(context)
@@ -120,7 +132,7 @@ class SparkStageOperator(BaseOperator):
         else:
             self._inner = self.build_submit(plan)
             self._inner.execute(context)
-            manifest, reused = require_manifest(out, storage), False
+            manifest, reused = _committed_by(f"{self.stage}: spark-submit", out, storage), False
         self.log.info("%s: %s counts=%s", self.stage, out, manifest.counts)
         self._emit_asset(context, plan, out, manifest, reused)
         return _summary(manifest, reused)
@@ -156,7 +168,7 @@ class TrainOperator(BaseOperator):
         return build_launcher(plan, load_plan_config(plan), self.settings, self.task_id, self.log)
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from pipeline_core.artifacts import read_manifest, require_manifest
+        from pipeline_core.artifacts import read_manifest
         from plugins.mft_airflow.plan import load_plan_config
 
         plan = _plan(context)
@@ -177,7 +189,7 @@ class TrainOperator(BaseOperator):
                       plan["run_uri"], plan["launcher"])
         self._inner = self.build_launcher(plan)
         self._inner.execute(context)
-        return _summary(require_manifest(plan["model_uri"], storage), False)
+        return _summary(_committed_by(f"train: the {plan['launcher']} launcher", plan["model_uri"], storage), False)
 
     def on_kill(self) -> None:
         if self._inner is not None:

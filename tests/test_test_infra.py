@@ -1,0 +1,72 @@
+"""The test suite's own machinery: no hidden waits, no ports picked then lost, no environment
+carried from one test to the next."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.conftest import REPO, S3_CREDENTIALS
+from tests.proc_helpers import lines_within
+
+
+def test_lines_within_gives_up_on_a_silent_child():
+    # prints one line, then says nothing for a long time: the deadline must still fire
+    proc = subprocess.Popen([sys.executable, "-c", "import time; print('hello', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    seen = []
+    try:
+        with pytest.raises(TimeoutError):
+            for line in lines_within(proc, timeout_s=3):
+                seen.append(line.strip())
+    finally:
+        proc.kill()
+        proc.wait()
+    assert seen == ["hello"]
+    assert time.monotonic() - t0 < 50, "the reader waited for the child instead of its own deadline"
+
+
+def test_lines_within_ends_at_eof():
+    proc = subprocess.Popen([sys.executable, "-c", "print('a'); print('b')"], stdout=subprocess.PIPE, text=True)
+    assert [x.strip() for x in lines_within(proc, timeout_s=60)] == ["a", "b"]
+    proc.wait()
+
+
+def test_s3_server_binds_its_own_port_and_answers(s3_server):
+    port = urlsplit(s3_server.endpoint).port
+    assert port and port != 0
+    bucket = s3_server.new_bucket()
+    assert bucket in [b["Name"] for b in s3_server.client().list_buckets()["Buckets"]]
+
+
+# Two tests in one session, S3 first: the local one must see the environment it would see alone.
+def test_an_s3_test_leaves_no_credentials_behind(tmp_path):
+    probe = tmp_path / "test_order_probe.py"
+    probe.write_text(textwrap.dedent(f'''
+        import os
+
+        KEYS = {sorted(S3_CREDENTIALS)!r}
+        BEFORE = {{k: os.environ.get(k) for k in KEYS}}
+
+
+        def test_a_s3(s3_server, s3_bucket_uri):
+            assert all(os.environ[k] == v for k, v in {S3_CREDENTIALS!r}.items())
+            s3_server.client().head_bucket(Bucket=s3_bucket_uri.removeprefix("s3://"))
+
+
+        def test_b_local(local_store_uri):
+            assert {{k: os.environ.get(k) for k in KEYS}} == BEFORE, "an earlier S3 test leaked its credentials"
+    '''))
+    env = {k: v for k, v in os.environ.items() if k not in S3_CREDENTIALS and not k.startswith("PYTEST_")}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                          "--rootdir", str(tmp_path), str(probe)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "2 passed" in out.stdout, out.stdout[-2000:]
