@@ -91,7 +91,8 @@ def rng_path(tag_dir: Path, rank: int) -> Path:
 def rng_state() -> dict[str, torch.Tensor]:
     """Every generator's state as tensors only, so it loads with `weights_only=True`."""
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    assert np_name == "MT19937"  # numpy's legacy global generator
+    if np_name != "MT19937":  # numpy's legacy global generator is the only one saved
+        raise RuntimeError(f"numpy global generator is {np_name!r}, expected MT19937")
     py_version, py_state, py_gauss = random.getstate()
     state = {
         "torch": torch.get_rng_state(),
