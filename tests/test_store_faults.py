@@ -182,3 +182,30 @@ def test_s3_clients_are_rebuilt_when_credentials_rotate(s3_server, tmp_path, mon
     assert s3_client(s3_server.storage)[0] is a
     os.utime(creds, (time.time() + 5, time.time() + 5))  # the secret mount was rotated
     assert s3_client(s3_server.storage)[0] is not a
+
+
+def test_a_commit_whose_response_was_lost_is_recognised_as_ours(store_root, tmp_path, monkeypatch):
+    """The manifest PUT lands, its response is lost, the retried request meets the object (412):
+    the writer must see its own commit (payload prefix), not delete its payload as a loser's."""
+    root, storage = store_root
+    uri = uris.join(root, "datasets/v1/enriched/lost")
+    real_open = artifacts.open_store
+
+    def open_store_losing_response(u, s=None):
+        st, k = real_open(u, s)
+        put = st.put_bytes
+
+        def put_bytes(key, data, if_none_match=False, if_match=None):
+            info = put(key, data, if_none_match=if_none_match, if_match=if_match)
+            if if_none_match and key.endswith("_manifest.json"):
+                raise PreconditionFailed(f"{key} already exists")  # what the retry of the same request sees
+            return info
+
+        st.put_bytes = put_bytes
+        return st, k
+
+    monkeypatch.setattr(artifacts, "open_store", open_store_losing_response)
+    m = publish_artifact(make_payload(tmp_path / "p"), uri, kind="enriched", storage=storage)
+    monkeypatch.setattr(artifacts, "open_store", real_open)
+    assert read_manifest(uri, storage).sha256 == m.sha256
+    fetch_artifact(uri, tmp_path / "out", storage)  # every file still there and verified
