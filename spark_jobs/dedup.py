@@ -42,7 +42,7 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, LongType
 
-from spark_jobs.dedup_types import LshSettings, NearDupReport, NearDupSettings
+from spark_jobs.dedup_types import ClusterSettings, LshSettings, NearDupReport, NearDupSettings
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,17 @@ def lsh_warnings(rows: int, s: LshSettings) -> tuple[str, ...]:
                 f"never compared and recall falls under the stated value; raise lsh_rows_per_band to "
                 f">= {math.ceil(math.log2(rows / s.max_leaders))} (with more bands) or use method 'cluster'",)
     return ()
+
+
+def settings_for(f) -> NearDupSettings:
+    """NearDupSettings of a FilterSection (pipeline_core.config); LSH settings are used as given
+    (`plan_lsh` says what a row count needs, `near_duplicates` warns when they fall short)."""
+    return NearDupSettings(
+        threshold=f.near_dup_threshold, method=f.near_dup_method, recall_sample=f.near_dup_recall_sample,
+        cluster=ClusterSettings(cluster_size=f.near_dup_cluster_size, probes=f.near_dup_probes,
+                                probe_margin=f.near_dup_probe_margin, seed=f.lsh_seed),
+        lsh=LshSettings(bands=f.lsh_bands, rows_per_band=f.lsh_rows_per_band, min_band_matches=f.lsh_min_band_matches,
+                        max_leaders=f.lsh_max_leaders, seed=f.lsh_seed))
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,16 @@ class EmbeddingSpec:
     carry_texts: int = 4096  # vectors kept from previous calls (identical texts across Arrow batches)
 
 
+def spec_for(section, task_cpus: int) -> EmbeddingSpec:
+    """The EmbeddingSpec of an EnrichSection (typed: pipeline_core.config), for tasks of `task_cpus` cores."""
+    return EmbeddingSpec(
+        model=section.embedding_model, device=section.embedding_device, precision=section.embedding_precision,
+        batch_tokens=section.embedding_batch_tokens, max_batch_rows=section.embedding_batch_size,
+        long_text=section.embedding_long_text, max_chunks=section.embedding_max_chunks,
+        threads=section.embedding_threads or task_cpus,
+        tokenizer_threads=section.embedding_tokenizer_threads or task_cpus)
+
+
 def resolve_model(name: str) -> str:
     """A model directory or hub id for SentenceTransformer(...)."""
     if name in BUNDLED_ALIASES:

@@ -94,12 +94,17 @@ def spark():
     s.stop()
 
 
-def frame(spark, v: np.ndarray, keys: np.ndarray, partitions: int):
-    pdf = pd.DataFrame({"_key": keys, "id": [f"id{k}" for k in keys], "_vec": [list(map(float, r)) for r in v]})
-    return spark.createDataFrame(pdf, "_key long, id string, _vec array<float>").repartition(partitions)
+def frame(spark, v: np.ndarray, keys: np.ndarray, partitions: int, tmp_path):
+    """Through a Parquet file, as the filter reads it (createDataFrame of array columns is very slow)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / f"vec-{len(v)}-{partitions}.parquet"
+    pq.write_table(pa.table({"_key": keys, "id": [f"id{k}" for k in keys], "_vec": list(v)}), path)
+    return spark.read.parquet(f"file://{path}").repartition(partitions)
 
 
-def test_cluster_method_matches_brute_force_and_reports_measured_recall(spark):
+def test_cluster_method_matches_brute_force_and_reports_measured_recall(spark, tmp_path):
     from spark_jobs.dedup import near_duplicates
 
     v = clustered_rows(3000, 12, seed=5)
@@ -109,7 +114,7 @@ def test_cluster_method_matches_brute_force_and_reports_measured_recall(spark):
                                recall_sample=400)
     results = []
     for parts in (1, 5):
-        got = near_duplicates(frame(spark, v, keys, parts), key="_key", vec="_vec", settings=settings)
+        got = near_duplicates(frame(spark, v, keys, parts, tmp_path), key="_key", vec="_vec", settings=settings)
         rows = got.frame.collect()
         results.append({int(r["_key"]): r["_near_rep"] for r in rows})
         got.frame.unpersist()
@@ -124,7 +129,7 @@ def test_cluster_method_matches_brute_force_and_reports_measured_recall(spark):
     assert r.as_manifest()["measured"]["recall"] == r.measured.recall
 
 
-def test_measured_recall_sees_a_method_that_misses(spark):
+def test_measured_recall_sees_a_method_that_misses(spark, tmp_path):
     """The recall check is independent of the method: an LSH with one band of many bits misses most pairs,
     and the report says so (and states the analytic value it expected)."""
     from spark_jobs.dedup import near_duplicates
@@ -133,7 +138,7 @@ def test_measured_recall_sees_a_method_that_misses(spark):
     keys = np.arange(1500, dtype=np.int64) * 7919 % 100_003
     settings = NearDupSettings(threshold=0.9, method="lsh", recall_sample=600,
                                lsh=LshSettings(bands=1, rows_per_band=24, min_band_matches=1, max_leaders=4))
-    got = near_duplicates(frame(spark, v, keys, 2), key="_key", vec="_vec", settings=settings)
+    got = near_duplicates(frame(spark, v, keys, 2, tmp_path), key="_key", vec="_vec", settings=settings)
     m = got.report.measured
     assert m.with_duplicate > 10 and m.recall < 0.6
     assert got.report.expected_recall_at_threshold < 0.1
