@@ -97,7 +97,9 @@ class SparkStageSection(Section):
     """Settings of a Spark stage that say how it runs, not what it computes (see layout.EXECUTION_ONLY)."""
 
     spark_master: str = "local[*]"
-    shuffle_partitions: int = Field(8, ge=1, le=100_000)
+    shuffle_partitions: int = Field(
+        0, ge=0, le=100_000,
+        description="0 = from the row count and the task slots Spark reports (spark_jobs/partitioning.py)")
     spark_conf: dict[str, str] = Field(default_factory=dict, description="extra Spark settings (spark.* keys)")
 
     @field_validator("spark_conf")
@@ -118,7 +120,18 @@ class EnrichSection(SparkStageSection):
         "separate", description="<think> trace: kept apart in reasoning_trace, dropped, or left in the answer"
     )
     embedding_model: str = Field("all-MiniLM-L6-v2", description="sentence-transformers model path or id")
-    embedding_batch_size: int = Field(64, ge=1, le=4096)
+    embedding_batch_size: int = Field(64, ge=1, le=16_384, description="max texts per forward pass")
+    embedding_device: str = Field(
+        "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="auto: the GPU Spark assigned to the task, else CUDA when present, else CPU")
+    embedding_precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto", description="auto = fp16 on a GPU, fp32 on a CPU (fp16/bf16 refused on a CPU)")
+    embedding_batch_tokens: int = Field(0, ge=0, le=4_194_304,
+                                        description="padded tokens per forward; 0 = 8192 on CPU, 131072 on GPU")
+    embedding_long_text: Literal["truncate", "chunk_mean"] = Field(
+        "chunk_mean", description="texts over the model window: first window only, or mean of window-sized chunks")
+    embedding_max_chunks: int = Field(8, ge=1, le=256, description="chunk_mean: at most this many windows per text")
+    embedding_tokenizer_threads: int = Field(0, ge=0, le=256, description="tokenizer threads per task; 0 = spark.task.cpus")
     max_context_sentences: int = Field(256, ge=1, le=100_000)
     max_sentence_chars: int = Field(2000, ge=16, le=100_000)
     top_k: int = Field(5, ge=1, le=1000)
@@ -158,6 +171,13 @@ class FilterSection(SparkStageSection):
     lsh_rows_per_band: int = Field(16, ge=1, le=62, description="Sign bits per band (more = fewer, purer candidates)")
     lsh_max_leaders: int = Field(32, ge=1, le=100_000, description="Per bucket, members are compared with this many smallest keys")
     lsh_seed: int = 0
+    near_dup_method: Literal["cluster", "lsh"] = Field(
+        "cluster", description="cluster: k-means first, exact cosine inside clusters (recall independent of N); lsh")
+    near_dup_cluster_size: int = Field(2000, ge=16, le=1_000_000, description="target rows per k-means cluster")
+    near_dup_probes: int = Field(2, ge=1, le=16, description="clusters a row may join (boundary pairs)")
+    near_dup_probe_margin: float = Field(0.05, ge=0.0, le=2.0, description="join a further cluster within this cosine")
+    near_dup_recall_sample: int = Field(2000, ge=0, le=1_000_000,
+                                        description="rows checked by brute force for the measured recall (0 = off)")
     min_answer_tokens: int = Field(1, ge=0, description="Drop answers shorter than this (tokens, without </s>)")
     max_tokens: int = Field(4096, ge=8, description="Drop records whose prompt + answer exceeds this (tokens)")
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of record ids in the validation split")

@@ -94,7 +94,6 @@ def spark_session(app_name: str, master: str, shuffle_partitions: int, conf: Map
         # PySpark reads only the environment variable for this, not spark.pyspark.python.
         os.environ["PYSPARK_PYTHON"] = sys.executable
     settings = {
-        "spark.sql.shuffle.partitions": str(shuffle_partitions),
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.parquet.compression.codec": "zstd",
@@ -102,6 +101,8 @@ def spark_session(app_name: str, master: str, shuffle_partitions: int, conf: Map
         "spark.ui.showConsoleProgress": "false",
         **dict(conf or {}),
     }
+    if shuffle_partitions > 0:  # 0: the stage sets it from its row count (partitioning.stage_partitions)
+        settings.setdefault("spark.sql.shuffle.partitions", str(shuffle_partitions))
     for k, v in settings.items():
         b = b.config(k, v)
     spark = b.getOrCreate()

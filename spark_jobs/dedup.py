@@ -18,17 +18,33 @@ A pair of cosine c collides in one band with p = (1 - arccos(c)/pi) ** rows_per_
 of shared bands is Binomial(bands, p). Defaults (48 bands x 16 bits, >= 2 shared bands): a pair
 is a candidate with probability 0.92 at cosine 0.9, 0.975 at 0.92, > 0.999 at 0.95, but only
 ~0.001 at 0.45 (related topics), which keeps the candidate set, and the time, linear in the rows.
+Those numbers hold only while buckets stay under `max_leaders`: the mean bucket holds
+rows / 2**rows_per_band records (more on anisotropic embeddings), and beyond the cap pairs of
+non-leaders are never compared. `plan_lsh` sizes the bands from the row count, and
+`near_duplicates` warns when the mean bucket exceeds the cap.
+
+`near_duplicates` is the entry point the filter calls: method "cluster" (default,
+near_dup_clusters.py: k-means first, exact cosine inside clusters, recall independent of bucket
+sizes) or "lsh" (this module), and a `NearDupReport` with the recall measured on the run's own
+rows (dedup_recall.py) for the manifest.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import math
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, LongType
+
+from spark_jobs.dedup_types import ClusterSettings, LshSettings, NearDupReport, NearDupSettings
+
+log = logging.getLogger(__name__)
 
 EXACT_DUPLICATE = "exact_duplicate"
 NEAR_DUPLICATE = "near_duplicate"
@@ -127,3 +143,89 @@ def find_near_duplicates(
     )
     best = sims.groupBy(key).agg(F.min(F.struct("_lkey", "_lid", "_sim")).alias("_m"))
     return best.select(key, F.col("_m._lid").alias("_near_rep"), F.col("_m._sim").alias("_near_sim"))
+
+
+def lsh_candidate_probability(cosine: float, bands: int, rows_per_band: int, min_band_matches: int) -> float:
+    """P(a pair of this cosine shares >= min_band_matches of `bands` buckets) with random-hyperplane
+    bits, assuming no bucket exceeds the leader cap: Binomial(bands, (1 - arccos(c)/pi) ** r)."""
+    p = (1.0 - math.acos(max(-1.0, min(1.0, cosine))) / math.pi) ** rows_per_band
+    miss = sum(math.comb(bands, i) * p**i * (1 - p) ** (bands - i) for i in range(min_band_matches))
+    return 1.0 - miss
+
+
+def plan_lsh(rows: int, threshold: float, *, max_leaders: int, min_band_matches: int, target_recall: float = 0.95,
+             min_rows_per_band: int = 16, max_bands: int = 512) -> LshSettings:
+    """Bits per band so that the mean bucket (rows / 2**r) stays under the leader cap, then the fewest
+    bands that reach `target_recall` at the threshold. The bands grow with log(rows): LSH's work is
+    not linear in the rows at a fixed recall, which is why "cluster" is the default method."""
+    r = max(min_rows_per_band, math.ceil(math.log2(max(rows, 2) / max_leaders)))
+    for b in range(max(min_band_matches, 1), max_bands + 1):
+        if lsh_candidate_probability(threshold, b, r, min_band_matches) >= target_recall:
+            return LshSettings(bands=b, rows_per_band=r, min_band_matches=min_band_matches, max_leaders=max_leaders)
+    return LshSettings(bands=max_bands, rows_per_band=r, min_band_matches=min_band_matches, max_leaders=max_leaders)
+
+
+def lsh_warnings(rows: int, s: LshSettings) -> tuple[str, ...]:
+    mean_bucket = rows / 2**s.rows_per_band
+    if mean_bucket > s.max_leaders:
+        return (f"mean LSH bucket {mean_bucket:,.0f} rows > max_leaders={s.max_leaders}: pairs beyond the cap are "
+                f"never compared and recall falls under the stated value; raise lsh_rows_per_band to "
+                f">= {math.ceil(math.log2(rows / s.max_leaders))} (with more bands) or use method 'cluster'",)
+    return ()
+
+
+def settings_for(f) -> NearDupSettings:
+    """NearDupSettings of a FilterSection (pipeline_core.config); LSH settings are used as given
+    (`plan_lsh` says what a row count needs, `near_duplicates` warns when they fall short)."""
+    return NearDupSettings(
+        threshold=f.near_dup_threshold, method=f.near_dup_method, recall_sample=f.near_dup_recall_sample,
+        cluster=ClusterSettings(cluster_size=f.near_dup_cluster_size, probes=f.near_dup_probes,
+                                probe_margin=f.near_dup_probe_margin, seed=f.lsh_seed),
+        lsh=LshSettings(bands=f.lsh_bands, rows_per_band=f.lsh_rows_per_band, min_band_matches=f.lsh_min_band_matches,
+                        max_leaders=f.lsh_max_leaders, seed=f.lsh_seed))
+
+
+@dataclass(frozen=True)
+class NearDuplicates:
+    frame: DataFrame  # key, _near_rep (id of the kept record), _near_sim
+    report: NearDupReport
+
+
+def near_duplicates(df: DataFrame, *, key: str, vec: str, settings: NearDupSettings, rows: int | None = None) -> NearDuplicates:
+    """Near duplicates of `df` (key, id, vec = concatenated unit question and answer vectors) by the
+    configured method, with the recall measured on a sample of these rows. `df` is read several
+    times: persist it first."""
+    from spark_jobs.dedup_recall import measure_recall
+    from spark_jobs.near_dup_clusters import find_near_duplicates_clustered
+
+    rows = df.count() if rows is None else rows
+    t = settings.threshold
+    extra: dict = {}
+    if settings.method == "cluster":
+        c = settings.cluster
+        frame, clustering, sizes = find_near_duplicates_clustered(df, key=key, vec=vec, threshold=t, rows=rows, s=c)
+        frame = frame.persist()
+        size_stats = sizes.agg(F.count(F.lit(1)).alias("k"), F.max("count").alias("mx"), F.avg("count").alias("avg")).first()
+        extra = {"clusters": int(size_stats["k"] or 0), "largest_cluster": int(size_stats["mx"] or 0),
+                 "mean_cluster": round(float(size_stats["avg"] or 0), 1)}
+        params = {**c.__dict__, "sample_rows": clustering.sample_rows}
+        expected, warnings = None, ()
+    else:
+        s = settings.lsh
+        frame = find_near_duplicates(df, key=key, vec=vec, threshold=t, bands=s.bands, rows_per_band=s.rows_per_band,
+                                     max_leaders=s.max_leaders, seed=s.seed, min_band_matches=s.min_band_matches).persist()
+        params = dict(s.__dict__)
+        expected = round(lsh_candidate_probability(t, s.bands, s.rows_per_band, s.min_band_matches), 4)
+        warnings = lsh_warnings(rows, s)
+        for w in warnings:
+            log.warning("near duplicates: %s", w)
+    measured = None
+    if settings.recall_sample > 0 and rows > 1:
+        measured = measure_recall(df, frame, key=key, vec=vec, threshold=t, rows=rows, sample=settings.recall_sample,
+                                  seed=settings.recall_seed)
+        if measured.recall is not None:
+            log.info("near duplicates (%s): measured recall %.4f [%.4f, %.4f] on %d sampled rows with a duplicate",
+                     settings.method, measured.recall, measured.low_95, measured.high_95, measured.with_duplicate)
+    report = NearDupReport(method=settings.method, rows=rows, threshold=t, parameters=params,
+                           expected_recall_at_threshold=expected, measured=measured, warnings=warnings, **extra)
+    return NearDuplicates(frame, report)

@@ -49,6 +49,7 @@ from spark_jobs.common import (
     write_parquet,
 )
 from spark_jobs.normalize import Rejected, normalise
+from spark_jobs.partitioning import ENRICH_ROWS_PER_PARTITION, stage_partitions
 from spark_jobs.readers import MESSAGES_DDL, read_records
 from spark_jobs.scoring import ScoringParams, score_record
 
@@ -111,12 +112,11 @@ def normalise_udf(e: EnrichSection):
 def score_batch(questions: Sequence[str], answers: Sequence[str], contexts: Sequence[Sequence[str]],
                 e: EnrichSection, threads: int) -> list[dict[str, Any]]:
     """Embed a batch's questions, answers and context sentences in one batched encode, then score."""
-    from spark_jobs.embeddings import encode
+    from spark_jobs.embeddings import encode, spec_for
 
     contexts = [list(c) if c is not None else [] for c in contexts]
     n = len(questions)
-    vecs = encode([*questions, *answers, *(s for c in contexts for s in c)], e.embedding_model,
-                  e.embedding_batch_size, threads)
+    vecs = encode([*questions, *answers, *(s for c in contexts for s in c)], spec_for(e, threads))
     params = ScoringParams(e.top_k, e.relevance_threshold, e.question_weight, e.answer_weight)
     rows, off = [], 2 * n
     for i, ctx in enumerate(contexts):
@@ -203,10 +203,13 @@ def _compute_and_publish(spark, input_uri, output_uri, cfg, config, timer, stagi
 
     threads = e.embedding_threads or task_cpus(spark)
     with timer.step("embed+score+write") as info:
+        # Partitions from the row count and Spark's task slots; by question, sorted, so a question's
+        # repeats share an Arrow batch and are embedded once (embeddings.Encoder).
+        parts = stage_partitions(spark, e.shuffle_partitions, n_ok, ENRICH_ROWS_PER_PARTITION)
         accepted = (
             norm.where(F.col("reason").isNull())
-            .repartition(e.shuffle_partitions, "id")
-            .sortWithinPartitions("id")
+            .repartition(parts, F.xxhash64("question"))
+            .sortWithinPartitions(F.xxhash64("question"), "id")
         )
         scored = accepted.select("*", score_udf(e, threads)("question", "answer", "context_sentences").alias("s"))
         out = scored.select(

@@ -44,6 +44,7 @@ from spark_jobs.common import (
     staging_for,
     write_parquet,
 )
+from spark_jobs.partitioning import FILTER_ROWS_PER_PARTITION, stage_partitions
 
 log = logging.getLogger("spark_jobs.filter")
 
@@ -60,7 +61,7 @@ DOC_SCHEMA = (
 
 
 # ----------------------------------------------------------------------------- Spark steps
-def annotate(df, fcfg: FilterSection, persisted: list | None = None):
+def annotate(df, fcfg: FilterSection, persisted: list | None = None, reports: list | None = None):
     """Every input row once, with `reason` (null = kept so far), after row checks and deduplication.
     DataFrames this persists are appended to `persisted` (the caller unpersists them)."""
     from pyspark.sql import functions as F
@@ -108,11 +109,13 @@ def annotate(df, fcfg: FilterSection, persisted: list | None = None):
         df = df.persist(StorageLevel.MEMORY_AND_DISK)  # read by the LSH branch and by the join below
         if persisted is not None:
             persisted.append(df)
-        near = dedup.find_near_duplicates(
-            df.filter(F.col("_reason").isNull()), key="_key", vec="_vec", threshold=fcfg.near_dup_threshold,
-            bands=fcfg.lsh_bands, rows_per_band=fcfg.lsh_rows_per_band, max_leaders=fcfg.lsh_max_leaders,
-            seed=fcfg.lsh_seed, min_band_matches=fcfg.lsh_min_band_matches,
-        )
+        found = dedup.near_duplicates(df.filter(F.col("_reason").isNull()), key="_key", vec="_vec",
+                                      settings=dedup.settings_for(fcfg))
+        near = found.frame
+        if persisted is not None:
+            persisted.append(near)
+        if reports is not None:
+            reports.append(found.report)
         df = df.join(near, "_key", "left")
         df = df.withColumn("_reason", F.coalesce("_reason", F.when(F.col("_near_rep").isNotNull(), F.lit(dedup.NEAR_DUPLICATE))))
         df = df.withColumn("_detail", F.coalesce(
@@ -263,7 +266,9 @@ def _compute_and_publish(spark, input_uri, output_uri, cfg, config, in_manifest,
     with timer.step("filter+dedup+tokenize") as info:
         df = spark.read.parquet(*_input_paths(input_uri, in_manifest, cfg, staging))
         n_in = df.count()
-        annotated = annotate(df, fcfg, persisted)
+        stage_partitions(spark, fcfg.shuffle_partitions, n_in, FILTER_ROWS_PER_PARTITION)
+        reports: list = []
+        annotated = annotate(df, fcfg, persisted, reports)
         write_parquet(annotated.mapInPandas(lambda it: tokenize_partitions(it, fcfg), DOC_SCHEMA), docs_uri)
         info["rows"] = n_in
 
@@ -329,6 +334,7 @@ def _compute_and_publish(spark, input_uri, output_uri, cfg, config, in_manifest,
         "tokens": {s: v["doc_tokens"] for s, v in splits.items()},
         "packing_efficiency": round(sum(s["doc_tokens"] for s in splits.values()) / total_slots, 4) if total_slots else None,
         "truncated": sum(s["truncated"] for s in splits.values()),
+        "near_duplicates": reports[0].as_manifest() if reports else None,
         "split_rule": f"val iff int(sha256(f'{{seed}}:{{id}}')[:13], 16) / 2**52 < {fcfg.val_fraction} (seed={fcfg.seed})",
     }
     counts = {"in": n_in, "out": n_out, "rejected": dict(sorted(rejected.items()))}

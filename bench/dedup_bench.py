@@ -1,0 +1,156 @@
+"""Near-duplicate detection at growing N: time and recall of the filter's `dedup.near_duplicates`
+on synthetic anisotropic vectors, plus the analytic LSH curve up to 25 M.
+
+    .venv/bin/python bench/dedup_bench.py --sizes 250000,1000000,4000000 [--method cluster] [--json OUT]
+
+Vectors: [q; a], each half unit-norm, 384 dims (MiniLM's). Anisotropic like MiniLM: every vector
+shares one common direction (mean pairwise cosine ~0.3), rows sit in dense topic clusters
+(`--rows-per-topic`, same-topic cosine ~0.7), and 10% of rows get a planted near-duplicate of the
+row before them at a cosine drawn uniformly from [0.90, 0.99] (both halves). More rows = more
+topics at the same density. Recall = planted pairs found / planted pairs (a pair counts when the
+larger-key row is dropped with a representative of cosine >= threshold); the stage's own measured
+recall (brute force on a sample) is reported beside it. Vectors are generated and written in
+chunks to Parquet, so memory stays ~ one chunk + Spark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+DIM = 384
+
+
+def unit(v: np.ndarray) -> np.ndarray:
+    return v / np.linalg.norm(v, axis=-1, keepdims=True)
+
+
+def at_cosine(v: np.ndarray, c: np.ndarray, rng) -> np.ndarray:
+    """Unit vectors at exactly cosine c to the unit rows v."""
+    u = rng.normal(size=v.shape)
+    u = unit(u - (u * v).sum(-1, keepdims=True) * v)
+    return c[:, None] * v + np.sqrt(1 - c[:, None] ** 2) * u
+
+
+def write_vectors(path: Path, n: int, rows_per_topic: int, seed: int, chunk: int = 100_000) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    common = unit(rng.normal(size=(2, DIM)))
+    topics = max(1, n // rows_per_topic)
+    centres = unit(common[None] * 0.55 + unit(rng.normal(size=(topics, 2, DIM))) * 0.85)
+    planted, writer = 0, None
+    for lo in range(0, n, chunk):
+        m = min(chunk, n - lo)
+        t = rng.integers(0, topics, m)
+        v = unit(centres[t] + rng.normal(0, 0.045, (m, 2, DIM)))
+        twin = rng.random(m) < 0.1
+        twin[0] = False
+        idx = np.nonzero(twin)[0]
+        c = rng.uniform(0.90, 0.99, len(idx))
+        for h in range(2):
+            v[idx, h] = at_cosine(v[idx - 1, h], c, rng)
+        planted += len(idx)
+        ids = np.arange(lo, lo + m)
+        table = pa.table({"id": [f"r{i:09d}" for i in ids], "_key": ids.astype(np.int64),
+                          "_twin_of": np.where(twin, ids - 1, -1).astype(np.int64),
+                          "_vec": list(v.reshape(m, 2 * DIM).astype(np.float32))})
+        writer = writer or pq.ParquetWriter(path, table.schema)
+        writer.write_table(table)
+    writer.close()
+    return planted
+
+
+def run_one(spark, n: int, work: Path, args) -> dict:
+    from pyspark.sql import functions as F
+
+    from spark_jobs.dedup import near_duplicates
+    from spark_jobs.dedup_types import ClusterSettings, NearDupSettings
+
+    path = work / f"vec-{n}.parquet"
+    planted = write_vectors(path, n, args.rows_per_topic, seed=n)
+    # keys in a shuffled order: a planted twin is the larger key half of the time
+    df = spark.read.parquet(f"file://{path}").withColumn("_key", F.xxhash64("id")).persist()
+    df.count()
+    settings = NearDupSettings(threshold=args.threshold, method=args.method, recall_sample=args.recall_sample,
+                               cluster=ClusterSettings(cluster_size=args.cluster_size))
+    t0 = time.perf_counter()
+    got = near_duplicates(df, key="_key", vec="_vec", settings=settings, rows=n)
+    dropped = got.frame.count()
+    dt = time.perf_counter() - t0
+    # planted pairs: (twin, original) at cosine >= 0.90: found when the larger-key one is dropped
+    pairs = df.where(F.col("_twin_of") >= 0).select(F.col("_key").alias("k1"), F.col("_twin_of").alias("o"))
+    orig = df.select(F.col("id").alias("oid"), F.col("_key").alias("k2"),
+                     F.regexp_extract("id", r"r0*(\d+)", 1).cast("long").alias("o"))
+    pairs = pairs.join(orig, "o").select(F.greatest("k1", "k2").alias("_key"))
+    found = pairs.join(got.frame, "_key").count()
+    total = pairs.count()
+    r = got.report
+    out = {"rows": n, "seconds": round(dt, 1), "rows_per_s": round(n / dt), "dropped": dropped, "planted": planted,
+           "planted_pairs": total, "planted_found": found, "planted_recall": round(found / max(1, total), 4),
+           "measured_recall": r.measured.recall if r.measured else None,
+           "measured_interval": [r.measured.low_95, r.measured.high_95] if r.measured else None,
+           "clusters": r.clusters, "largest_cluster": r.largest_cluster, "mean_cluster": r.mean_cluster}
+    got.frame.unpersist()
+    df.unpersist()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from spark_jobs.common import spark_session
+    from spark_jobs.dedup import lsh_candidate_probability, plan_lsh
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="250000,1000000,4000000")
+    ap.add_argument("--method", default="cluster", choices=["cluster", "lsh"])
+    ap.add_argument("--threshold", type=float, default=0.9)
+    ap.add_argument("--cluster-size", type=int, default=2000)
+    ap.add_argument("--rows-per-topic", type=int, default=200)
+    ap.add_argument("--recall-sample", type=int, default=2000)
+    ap.add_argument("--master", default="local[2]")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    res: dict = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
+                 "machine": f"{platform.node()} {os.cpu_count()} cpus, load avg {os.getloadavg()[0]:.1f}",
+                 "command": "bench/dedup_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]), "runs": []}
+    res["lsh_analytic"] = []
+    for n in (250_000, 1_000_000, 4_000_000, 25_700_000):
+        s = plan_lsh(n, a.threshold, max_leaders=32, min_band_matches=2)
+        res["lsh_analytic"].append({"rows": n, "rows_per_band": s.rows_per_band, "bands": s.bands,
+                                    "recall_at_threshold": round(lsh_candidate_probability(a.threshold, s.bands, s.rows_per_band, 2), 4),
+                                    "old_defaults_mean_bucket": round(n / 2**16, 1),
+                                    "bucket_rows": s.bands * n})
+    spark = spark_session("dedup-bench", a.master, 8, {"spark.ui.enabled": "false",
+                                                        "spark.sql.execution.arrow.maxRecordsPerBatch": "4096"})
+    with tempfile.TemporaryDirectory(prefix="dedup-bench-") as tmp:
+        for n in [int(x) for x in a.sizes.split(",")]:
+            r = run_one(spark, n, Path(tmp), a)
+            res["runs"].append(r)
+            print(json.dumps(r), flush=True)
+            if a.json:
+                Path(a.json).write_text(json.dumps(res, indent=2))
+    runs = res["runs"]
+    res["time_ratios"] = [round(b["seconds"] / x["seconds"], 2) for x, b in zip(runs, runs[1:], strict=False)]
+    res["load_avg_at_end"] = round(os.getloadavg()[0], 1)
+    spark.stop()
+    print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=2))
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=2))
+    return 0 if math.isfinite(len(runs)) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Typed settings and results of near-duplicate detection (dedup.py, near_dup_clusters.py,
+dedup_recall.py). The filter stage builds `NearDupSettings` from its config section and puts
+`NearDupReport.as_manifest()` into its manifest's `extra.near_duplicates`."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+Method = Literal["cluster", "lsh"]
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    cluster_size: int = 2000  # target rows per k-means cluster: the work per row
+    probes: int = 2  # clusters a row may join
+    probe_margin: float = 0.05  # a further centroid is joined only when its cosine is within this of the nearest
+    sample_per_cluster: int = 16  # k-means training rows per centroid
+    kmeans_iterations: int = 10
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class LshSettings:
+    bands: int = 48
+    rows_per_band: int = 16
+    min_band_matches: int = 2
+    max_leaders: int = 32
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class NearDupSettings:
+    threshold: float
+    method: Method = "cluster"
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    lsh: LshSettings = field(default_factory=LshSettings)
+    recall_sample: int = 2000  # rows whose true near duplicates are found by brute force (0 = no check)
+    recall_seed: int = 1
+
+
+@dataclass(frozen=True)
+class RecallEstimate:
+    """Recall measured on the run's own rows: of the sampled rows that truly have a smaller-key
+    near duplicate (brute force against every row), the share the method dropped."""
+
+    sampled_rows: int
+    with_duplicate: int
+    found: int
+    recall: float | None
+    low_95: float | None  # Wilson score interval
+    high_95: float | None
+
+
+@dataclass(frozen=True)
+class NearDupReport:
+    method: Method
+    rows: int
+    threshold: float
+    parameters: dict
+    expected_recall_at_threshold: float | None  # analytic (LSH, isotropic buckets); None for clustering
+    measured: RecallEstimate | None
+    clusters: int | None = None
+    largest_cluster: int | None = None
+    mean_cluster: float | None = None
+    warnings: tuple[str, ...] = ()
+
+    def as_manifest(self) -> dict:
+        d = asdict(self)
+        d["warnings"] = list(self.warnings)
+        return d
