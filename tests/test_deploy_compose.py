@@ -20,6 +20,8 @@ from tests._deploy_support import (
     ENV_EXAMPLE,
     REPO,
     SECRET_NAME,
+    clean_env,
+    compose_binary,
     compose_model,
     compose_raw,
     env_example,
@@ -368,3 +370,37 @@ def test_airflow_options_exist_in_airflow_3(services):
         assert key in known.get(section, {}).get("options", {}), f"{name} is not an Airflow {section} option"
     health = known["scheduler"]["options"]["scheduler_health_check_server_port"]["default"]
     assert f"localhost:{health}/health" in " ".join(services["airflow-scheduler"]["healthcheck"]["test"])
+
+
+def test_ci_override_keeps_every_service_on_loopback(tmp_path):
+    """docker-compose.ci.yaml (the stack `make image-test` runs): Compose validates the pair; every
+    service shares the host's network (no bridge, no network created, nothing published), and
+    every server it starts binds 127.0.0.1 on a port from the env file."""
+    env = tmp_path / "ci.env"
+    ports = {f"MFT_CI_{k}_PORT": str(20001 + i) for i, k in enumerate(
+        ("API", "PG", "S3", "SPARK", "SPARK_UI", "SPARK_WORKER_UI", "SCHEDULER_HEALTH"))}
+    env.write_text(ENV_EXAMPLE.read_text() + "".join(f"{k}={v}\n" for k, v in ports.items())
+                   + "MFT_S3_ENDPOINT_URL=http://127.0.0.1:20003\n")
+    cmd = [str(compose_binary()), "--project-directory", str(REPO), "-f", str(COMPOSE_FILE),
+           "-f", str(REPO / "docker-compose.ci.yaml"), "--env-file", str(env), "config", "--format", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ci = json.loads(proc.stdout)
+    assert not ci.get("networks"), f"the CI stack must not create networks: {ci.get('networks')}"
+    for name, svc in ci["services"].items():
+        assert svc.get("network_mode") == "host", f"{name} is not on the host network"
+        assert not svc.get("ports"), f"{name} publishes ports"
+        assert not svc.get("networks"), name
+    argv = {name: service_argv(svc) for name, svc in ci["services"].items()}
+    assert argv["airflow-apiserver"][-4:] == ["--host", "127.0.0.1", "--port", ports["MFT_CI_API_PORT"]]
+    assert argv["minio"][-4:] == ["-H", "127.0.0.1", "-p", ports["MFT_CI_S3_PORT"]]
+    for name in ("spark-master", "spark-worker"):
+        assert argv[name][argv[name].index("--host") + 1] == "127.0.0.1", name
+        assert ci["services"][name]["environment"]["SPARK_LOCAL_IP"] == "127.0.0.1"
+    sched = ci["services"]["airflow-scheduler"]["environment"]
+    assert sched["AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_HOST"] == "127.0.0.1"
+    assert "--skip-serve-logs" in argv["airflow-scheduler"] and "--skip-serve-logs" in argv["airflow-triggerer"]
+    assert "@127.0.0.1:" + ports["MFT_CI_PG_PORT"] + "/" in sched["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+    # the override replaces only the images that cannot be pulled here; MinIO stays in production
+    assert compose_model()["services"]["minio"]["image"].startswith("minio/minio:")
+    assert ci["services"]["postgres"]["image"] == "mft-postgres:ci"
