@@ -404,3 +404,22 @@ def test_ci_override_keeps_every_service_on_loopback(tmp_path):
     # the override replaces only the images that cannot be pulled here; MinIO stays in production
     assert compose_model()["services"]["minio"]["image"].startswith("minio/minio:")
     assert ci["services"]["postgres"]["image"] == "mft-postgres:ci"
+
+
+def test_pipeline_key_is_limited_to_the_buckets_object_actions(services):
+    """minio-init's policy for the pipeline's key: list the bucket, read/write/delete its objects,
+    multipart uploads; no wildcard, nothing that changes the bucket (policy, versioning, lifecycle)
+    or deletes old versions, and nothing outside the bucket."""
+    script = services["minio-init"]["command"][0].replace("$$", "$")
+    policy_text = script.split("<<EOF", 1)[1].split("\nEOF", 1)[0]
+    bucket = services["minio-init"]["environment"]["MFT_BUCKET"]
+    policy = json.loads(policy_text.replace("${MFT_BUCKET}", bucket))
+    grants = {(a, r) for st in policy["Statement"] for a in st["Action"] for r in st["Resource"]}
+    assert all(st["Effect"] == "Allow" for st in policy["Statement"])
+    bucket_arn, objects_arn = f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"
+    assert grants == {
+        *((a, bucket_arn) for a in ("s3:ListBucket", "s3:GetBucketLocation", "s3:ListBucketMultipartUploads")),
+        *((a, objects_arn) for a in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject",
+                                     "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts")),
+    }, sorted(grants)
+    assert "mc admin policy attach local mft-rw --user" in script.replace("\\\n", " ")
