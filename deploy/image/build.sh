@@ -22,7 +22,11 @@ if [[ -z "${torch_index}" ]]; then
     rm -rf "${idx}" && mkdir -p "${idx}/torch"
     ln -s "${wheel}" "${idx}/torch/$(basename "${wheel}")"
     printf '<a href="%s">%s</a>\n' "$(basename "${wheel}")" "$(basename "${wheel}")" > "${idx}/torch/index.html"
-    python3 -m http.server --bind 127.0.0.1 0 --directory "${idx}" >"${state}/torch-index.log" 2>&1 &
+    # a fixed port keeps TORCH_INDEX_URL, a build argument, the same between builds, so the
+    # venv layer stays cached; any free port if that one is taken (the build then misses the cache)
+    port="${MFT_TORCH_INDEX_PORT:-38751}"
+    python3 -c "import socket; socket.create_server(('127.0.0.1', ${port})).close()" 2>/dev/null || port=0
+    python3 -m http.server --bind 127.0.0.1 "${port}" --directory "${idx}" >"${state}/torch-index.log" 2>&1 &
     index_pid=$!
     for _ in $(seq 50); do grep -q 'port [0-9]' "${state}/torch-index.log" && break; sleep 0.1; done
     port="$(sed -n 's/.* port \([0-9]*\).*/\1/p' "${state}/torch-index.log" | head -1)"
