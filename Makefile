@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 export DS_ACCELERATOR := cpu
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 
-.PHONY: venv test demo lint lock clean
+.PHONY: venv test demo lint lock clean image image-test
 
 venv: $(STAMP)
 
@@ -35,6 +35,16 @@ lint: $(STAMP)
 
 demo: $(STAMP)
 	@bash scripts/demo.sh
+
+# The image (docs/deploy.md, "Build the image"): on a machine without an image registry, starts
+# dockerd (loopback only) if none runs, bootstraps the Debian base if absent, builds mft:ci with the
+# CPU torch wheel; image-test then runs it for real (smoke tests in the container, the compose
+# stack with a DAG run through the REST API). Needs root, docker.io and debootstrap.
+image:
+	nice -n 10 deploy/image/build.sh
+
+image-test: $(STAMP)
+	nice -n 10 deploy/image/test.sh $(PYTEST_ARGS)
 
 # Re-resolve the pinned set from requirements/base.in (run on a machine of the target kind).
 lock:

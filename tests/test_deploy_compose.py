@@ -20,6 +20,8 @@ from tests._deploy_support import (
     ENV_EXAMPLE,
     REPO,
     SECRET_NAME,
+    clean_env,
+    compose_binary,
     compose_model,
     compose_raw,
     env_example,
@@ -307,7 +309,7 @@ def test_deploy_settings_match_the_stack(model, services):
     assert staging == {settings.shared_volume}
     assert f"AIRFLOW_CONN_{settings.spark_conn_id.upper()}" in env
     assert any(v["target"] == "/var/run/docker.sock" for v in services["airflow-scheduler"]["volumes"])
-    assert settings.gpu_pool in services["airflow-init"]["command"][-1]
+    # the gpu pool airflow-init creates: tests/test_deploy_smoke.py runs its script
 
 
 def test_airflow_components_share_one_configuration(services):
@@ -368,3 +370,56 @@ def test_airflow_options_exist_in_airflow_3(services):
         assert key in known.get(section, {}).get("options", {}), f"{name} is not an Airflow {section} option"
     health = known["scheduler"]["options"]["scheduler_health_check_server_port"]["default"]
     assert f"localhost:{health}/health" in " ".join(services["airflow-scheduler"]["healthcheck"]["test"])
+
+
+def test_ci_override_keeps_every_service_on_loopback(tmp_path):
+    """docker-compose.ci.yaml (the stack `make image-test` runs): Compose validates the pair; every
+    service shares the host's network (no bridge, no network created, nothing published), and
+    every server it starts binds 127.0.0.1 on a port from the env file."""
+    env = tmp_path / "ci.env"
+    ports = {f"MFT_CI_{k}_PORT": str(20001 + i) for i, k in enumerate(
+        ("API", "PG", "S3", "SPARK", "SPARK_UI", "SPARK_WORKER_UI", "SCHEDULER_HEALTH"))}
+    env.write_text(ENV_EXAMPLE.read_text() + "".join(f"{k}={v}\n" for k, v in ports.items())
+                   + "MFT_S3_ENDPOINT_URL=http://127.0.0.1:20003\n")
+    cmd = [str(compose_binary()), "--project-directory", str(REPO), "-f", str(COMPOSE_FILE),
+           "-f", str(REPO / "docker-compose.ci.yaml"), "--env-file", str(env), "config", "--format", "json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    ci = json.loads(proc.stdout)
+    assert not ci.get("networks"), f"the CI stack must not create networks: {ci.get('networks')}"
+    for name, svc in ci["services"].items():
+        assert svc.get("network_mode") == "host", f"{name} is not on the host network"
+        assert not svc.get("ports"), f"{name} publishes ports"
+        assert not svc.get("networks"), name
+    argv = {name: service_argv(svc) for name, svc in ci["services"].items()}
+    assert argv["airflow-apiserver"][-4:] == ["--host", "127.0.0.1", "--port", ports["MFT_CI_API_PORT"]]
+    assert argv["minio"][-4:] == ["-H", "127.0.0.1", "-p", ports["MFT_CI_S3_PORT"]]
+    for name in ("spark-master", "spark-worker"):
+        assert argv[name][argv[name].index("--host") + 1] == "127.0.0.1", name
+        assert ci["services"][name]["environment"]["SPARK_LOCAL_IP"] == "127.0.0.1"
+    sched = ci["services"]["airflow-scheduler"]["environment"]
+    assert sched["AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_SERVER_HOST"] == "127.0.0.1"
+    assert "--skip-serve-logs" in argv["airflow-scheduler"] and "--skip-serve-logs" in argv["airflow-triggerer"]
+    assert "@127.0.0.1:" + ports["MFT_CI_PG_PORT"] + "/" in sched["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+    # the override replaces only the images that cannot be pulled here; MinIO stays in production
+    assert compose_model()["services"]["minio"]["image"].startswith("minio/minio:")
+    assert ci["services"]["postgres"]["image"] == "mft-postgres:ci"
+
+
+def test_pipeline_key_is_limited_to_the_buckets_object_actions(services):
+    """minio-init's policy for the pipeline's key: list the bucket, read/write/delete its objects,
+    multipart uploads; no wildcard, nothing that changes the bucket (policy, versioning, lifecycle)
+    or deletes old versions, and nothing outside the bucket."""
+    script = services["minio-init"]["command"][0].replace("$$", "$")
+    policy_text = script.split("<<EOF", 1)[1].split("\nEOF", 1)[0]
+    bucket = services["minio-init"]["environment"]["MFT_BUCKET"]
+    policy = json.loads(policy_text.replace("${MFT_BUCKET}", bucket))
+    grants = {(a, r) for st in policy["Statement"] for a in st["Action"] for r in st["Resource"]}
+    assert all(st["Effect"] == "Allow" for st in policy["Statement"])
+    bucket_arn, objects_arn = f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"
+    assert grants == {
+        *((a, bucket_arn) for a in ("s3:ListBucket", "s3:GetBucketLocation", "s3:ListBucketMultipartUploads")),
+        *((a, objects_arn) for a in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject",
+                                     "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts")),
+    }, sorted(grants)
+    assert "mc admin policy attach local mft-rw --user" in script.replace("\\\n", " ")

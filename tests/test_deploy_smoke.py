@@ -120,18 +120,36 @@ def test_api_server_health_check_is_public():
 
 
 def test_airflow_init_sets_the_admin_password_the_api_server_uses(tmp_path):
-    """Run airflow-init's password step, then let the real SimpleAuthManager start on that file:
-    the admin keeps the password from .env (no generated one) and it is what login checks."""
+    """Run airflow-init's own script, as compose resolves it, with `airflow` stubbed (it records
+    its arguments): the password file it writes is private (its own umask, nothing added here),
+    it creates the pool the DAG's training tasks use; then the real SimpleAuthManager starts on
+    that file: the admin keeps the password from .env (no generated one) and it is what login checks."""
+    from plugins.mft_airflow.settings import load_settings
+
     services = compose_model()["services"]
     init = services["airflow-init"]
-    script = init["command"][2].replace("\\\n", " ")
-    step = next(line for line in script.splitlines() if "passwords.json" in line)
+    assert init["command"][:2] == ["bash", "-ec"]
     target = init["environment"]["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]
     pw_file = tmp_path / "passwords.json"
-    step = step.replace(target, str(pw_file))
-    env = {**os.environ, "AIRFLOW_ADMIN_USER": "admin", "AIRFLOW_ADMIN_PASSWORD": "s3cret-from-env"}
-    subprocess.run(["bash", "-ec", "umask 077; " + step], env=env, check=True, timeout=60)
+    # `compose config` keeps `$$` escaped; the container gets a single `$`
+    script = init["command"][2].replace("$$", "$").replace(target, str(pw_file))
+    stubs, calls = tmp_path / "bin", tmp_path / "airflow-calls.jsonl"
+    stubs.mkdir()
+    (stubs / "airflow").write_text(f"#!{sys.executable}\nimport json, sys\n"
+                                   f"open({str(calls)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n")
+    (stubs / "airflow").chmod(0o755)
+    (stubs / "python").symlink_to(sys.executable)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "HOME": str(tmp_path), "AIRFLOW_ADMIN_USER": "admin",
+           "AIRFLOW_ADMIN_PASSWORD": "s3cret-from-env",
+           "MFT_GPU_POOL_SLOTS": init["environment"]["MFT_GPU_POOL_SLOTS"]}
+    subprocess.run(["bash", "-ec", script], env=env, check=True, timeout=60, cwd=tmp_path)
     assert oct(pw_file.stat().st_mode & 0o777) == "0o600"
+    argvs = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert ["db", "migrate"] in argvs, argvs
+    pools = [a for a in argvs if a[:2] == ["pools", "set"]]
+    gpu_pool = load_settings(env=services["airflow-scheduler"]["environment"]).gpu_pool
+    assert [a[2] for a in pools] == [gpu_pool], f"the DAG's training tasks use pool {gpu_pool!r}; init creates {pools}"
+    assert int(pools[0][3]) >= 1
 
     api_env = services["airflow-apiserver"]["environment"]
     check = (
