@@ -9,8 +9,6 @@ import math
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -18,10 +16,10 @@ from pipeline_core import uris
 from pipeline_core.artifacts import CorruptArtifact, publish_artifact, read_latest
 from pipeline_core.config import ReleaseSection
 from pipeline_core.pointers import order_key_from_date, read_pointer
+from tests.report_helpers import packed_rows, tiny_models, val_artifact
 from training.promote import decide, promote
 from training.val_loss import IGNORE_INDEX, val_loss
 
-SEQ = 48
 DAY = datetime(2026, 1, 1, 2, tzinfo=UTC)
 
 
@@ -29,52 +27,13 @@ def _key(days: int) -> str:
     return order_key_from_date(DAY + timedelta(days=days))
 
 
-def _packed_rows(n_rows: int, seed: int = 0) -> pa.Table:
-    """Rows of SEQ tokens, two documents each (prompt masked, answer trained) and padding."""
-    rng = np.random.default_rng(seed)
-    rows = {"input_ids": [], "labels": [], "position_ids": []}
-    for _ in range(n_rows):
-        ids, labels, pos = [], [], []
-        for n in (20, 18):
-            doc = [1, *rng.integers(3, 32000, n - 1).tolist()]
-            ids += doc
-            labels += [IGNORE_INDEX] * (n // 2) + doc[n // 2:]
-            pos += list(range(n))
-        pad = SEQ - len(ids)
-        ids, labels, pos = ids + [0] * pad, labels + [IGNORE_INDEX] * pad, pos + list(range(pad))
-        for k, v in zip(rows, (ids, labels, pos), strict=True):
-            rows[k].append(v)
-    return pa.table({k: pa.array(v, pa.list_(pa.int32())) for k, v in rows.items()})
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    """'good': a seeded random model; 'bad': the same with a sharpened LM head (confidently wrong)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from training.tiny import make_tiny_model
-
-    root = tmp_path_factory.mktemp("models")
-    good = make_tiny_model(root / "good" / "data", max_shard_size=None)
-    m = AutoModelForCausalLM.from_pretrained(str(good))
-    with torch.no_grad():
-        m.lm_head.weight.mul_(40.0)
-    bad = root / "bad" / "data"
-    m.save_pretrained(str(bad))
-    for f in good.iterdir():
-        if f.name.startswith("tokenizer"):
-            (bad / f.name).write_bytes(f.read_bytes())
-    return {"good": good.parent, "bad": bad.parent}
+    return tiny_models(tmp_path_factory.mktemp("models"))
 
 
 def _val_artifact(tmp_path, root, storage) -> str:
-    d = tmp_path / "train-ready"
-    (d / "data" / "val").mkdir(parents=True)
-    pq.write_table(_packed_rows(4), d / "data" / "val" / "part-00000.parquet")
-    uri = uris.join(root, "datasets", "v1", "train", "abc")
-    publish_artifact(d, uri, kind="train-ready", storage=storage, extra={"seq_len": SEQ})
-    return uri
+    return val_artifact(tmp_path / "train-ready", uris.join(root, "datasets", "v1", "train", "abc"), storage)
 
 
 def _model_artifact(src: Path, root: str, run: str, storage) -> str:
@@ -88,7 +47,7 @@ def test_val_loss_is_token_weighted_and_matches_transformers(models, tmp_path):
     from transformers import AutoModelForCausalLM
 
     f = tmp_path / "val.parquet"
-    table = _packed_rows(3, seed=1)
+    table = packed_rows(3, seed=1)
     pq.write_table(table, f)
     got = val_loss(models["good"] / "data", [f])
     model = AutoModelForCausalLM.from_pretrained(str(models["good"] / "data")).eval()
