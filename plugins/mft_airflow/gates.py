@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from airflow.sdk import BaseOperator, BaseOperatorLink
+from airflow.sdk.bases.skipmixin import SkipMixin
 from airflow.sdk.exceptions import AirflowSkipException
 
 APPROVAL_RECORD = "approval.json"
@@ -88,7 +89,7 @@ def gate_text(plan: dict[str, Any], report: dict[str, Any] | None) -> tuple[str,
     return subject, body
 
 
-class ApprovalGateOperator(BaseOperator):
+class ApprovalGateOperator(BaseOperator, SkipMixin):
     """Approve / Reject before training, when `release.require_approval` is set."""
 
     ui_color = "#fde2e2"
@@ -125,7 +126,12 @@ class ApprovalGateOperator(BaseOperator):
         record = approval_record(plan, event, approved=chosen == approval.APPROVE)
         write_approval(plan["run_uri"], record, load_plan_config(plan).storage)
         self.log.info("approval: %s", json.dumps(record))
-        approval.execute_complete(context, event)  # on Reject: skips train and publish
+        approval.execute_complete(context, event)  # validates the response like the provider does
+        if not record["approved"]:
+            # the provider skips its own downstream; the inner operator has none, this task does
+            downstream = [t for t in context["task"].get_flat_relatives(upstream=False) if not t.is_teardown]
+            self.log.info("rejected: skipping %s", sorted(t.task_id for t in downstream))
+            self.skip(ti=context["ti"], tasks=downstream)
         return record
 
 
