@@ -11,7 +11,7 @@ from pipeline_core import uris
 from pipeline_core.artifacts import read_manifest, verify_artifact
 from pipeline_core.handoffs import TrainReadyInfo
 from reports.data_report import KIND, PAGE, build, report_uri
-from reports.facts import mask_spans, near_duplicate_of
+from reports.facts import mask_spans, near_duplicate_of, train_ready_info
 from tests.browser import browser_page, keep_screenshot
 from tests.report_helpers import build_sample
 
@@ -68,7 +68,9 @@ def test_page_renders_in_chromium_and_matches_the_manifests(sample, tmp_path):
     assert int(metrics["kept"]) == tr.counts["out"]
     for split, n in tr.extra["tokens"].items():
         assert int(metrics[f"tokens-{split}"]) == n
-    assert int(metrics["val_documents"]) == tr.extra["splits"]["val"]["documents"]
+    info = train_ready_info(tr)  # the typed hand-off once the filter writes it, else the older extra
+    val_docs = info.documents["val"] if info and info.documents else tr.extra["splits"]["val"]["documents"]
+    assert int(metrics["val_documents"]) == val_docs
     assert float(metrics["packing_efficiency"]) == pytest.approx(tr.extra["packing_efficiency"], abs=1e-4)
     for reason, n in tr.counts["rejected"].items():
         assert int(metrics[f"rejected-filter:{reason}"]) == n
@@ -98,8 +100,6 @@ def test_near_duplicate_partner_is_read_from_typed_fields_or_the_detail():
 
 
 def test_sample_manifest_still_reads_without_the_typed_handoff(sample):
-    from reports.facts import train_ready_info
-
     art, _ = sample
     tr = read_manifest(art.train_ready_uri)
     info = train_ready_info(tr)
