@@ -92,13 +92,22 @@ def evaluate(model_uri: str, val_uri: str, models_uri: str, order_key: str, rele
         kw = {"max_rows": release.eval_max_rows, "device": release.eval_device}
         cand = val_loss(new_dir, val_files, **kw)
         log.info("candidate %s: val loss %.4f over %d target tokens", model_uri, cand.loss, cand.target_tokens)
-        cur_loss = None
+        cur_loss, incomparable = None, None
         if current is not None and current.target != model_uri:
-            cur_loss = val_loss(_fetch_model(current.target, root / "current", storage), val_files, **kw).loss
-            log.info("current LATEST %s: val loss %.4f on the same rows", current.target, cur_loss)
+            current_dir = _fetch_model(current.target, root / "current", storage)  # a corrupt LATEST fails loudly
+            try:
+                cur_loss = val_loss(current_dir, val_files, **kw).loss
+                log.info("current LATEST %s: val loss %.4f on the same rows", current.target, cur_loss)
+            except (IndexError, RuntimeError, ValueError) as e:  # e.g. another vocabulary than this split's
+                incomparable = f"the current LATEST {current.target} cannot be scored on {val_uri}: {e}"
         elif current is not None:
             cur_loss = cand.loss  # a retried publish: LATEST already is this model
-    ok, reason = decide(cand.loss, cur_loss, release.promote_tolerance, release.force_promote)
+    if incomparable:
+        ok = release.force_promote
+        reason = (f"forced (release.force_promote); {incomparable}" if ok else
+                  f"{incomparable}; set release.force_promote to publish without a comparison")
+    else:
+        ok, reason = decide(cand.loss, cur_loss, release.promote_tolerance, release.force_promote)
     return Promotion(
         promoted=ok, reason=reason, candidate_uri=model_uri, candidate_val_loss=cand.loss,
         current_uri=current.target if current else None, current_val_loss=cur_loss,
