@@ -130,6 +130,7 @@ COPY --chown=${MFT_UID}:0 pipeline_core ./pipeline_core
 COPY --chown=${MFT_UID}:0 spark_jobs ./spark_jobs
 COPY --chown=${MFT_UID}:0 training ./training
 COPY --chown=${MFT_UID}:0 plugins ./plugins
+COPY --chown=${MFT_UID}:0 reports ./reports
 COPY --chown=${MFT_UID}:0 dags ./dags
 COPY --chown=${MFT_UID}:0 sample_data ./sample_data
 # Editable, so the package's project root is /opt/mft: the embedded defaults (bundled sample,

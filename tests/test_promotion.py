@@ -15,7 +15,7 @@ import pytest
 from pipeline_core import uris
 from pipeline_core.artifacts import CorruptArtifact, publish_artifact, read_latest
 from pipeline_core.config import ReleaseSection
-from pipeline_core.pointers import order_key_from_date, read_pointer
+from pipeline_core.pointers import advance, order_key_from_date, read_pointer
 from tests.report_helpers import packed_rows, tiny_models, val_artifact
 from training.promote import decide, promote
 from training.val_loss import IGNORE_INDEX, val_loss
@@ -122,3 +122,18 @@ def test_same_size_corrupt_weights_never_move_latest(models, store_root, tmp_pat
     with pytest.raises(CorruptArtifact, match="model.safetensors"):
         promote(uri, val, models_uri, _key(1), ReleaseSection(force_promote=True), storage)
     assert read_pointer(models_uri, storage) is None and read_latest(models_uri, storage) is None
+
+
+def test_a_latest_that_cannot_be_scored_blocks_promotion_unless_forced(models, local_store_uri, tmp_path):
+    from training.tiny import make_tiny_model
+
+    root, models_uri = local_store_uri, uris.join(local_store_uri, "models")
+    val = _val_artifact(tmp_path, root, None)
+    small = make_tiny_model(tmp_path / "small" / "data", max_shard_size=None, vocab_size=1000)  # ids < 32000 fail
+    other = _model_artifact(small.parent, root, "r-other-vocab", None)
+    good = _model_artifact(models["good"], root, "r-good", None)
+    advance(models_uri, other, _key(1))  # published earlier, for a dataset of another tokenizer
+    blocked = promote(good, val, models_uri, _key(2), ReleaseSection())
+    assert not blocked.promoted and "cannot be scored" in blocked.reason and read_pointer(models_uri).target == other
+    forced = promote(good, val, models_uri, _key(3), ReleaseSection(force_promote=True))
+    assert forced.promoted and read_pointer(models_uri).target == good
