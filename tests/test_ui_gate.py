@@ -25,6 +25,7 @@ import yaml
 from pipeline_core import uris
 from pipeline_core.artifacts import read_manifest
 from pipeline_core.pointers import read_pointer
+from reports.data_report import PAGE, report_uri
 from tests.browser import browser_page, keep_screenshot, require_chromium
 from tests.conftest import free_port
 from tests.dag_helpers import BIN, DAG_ID, REPO, airflow, airflow_env, init_db
@@ -46,7 +47,8 @@ class ApiServer:
             "AIRFLOW__API__BASE_URL": self.url,
             "AIRFLOW__API_AUTH__JWT_SECRET": "test-jwt-secret-0123456789abcdef-0123456789abcdef-0123456789ab",
             "AIRFLOW__API__SECRET_KEY": "test-secret-key",
-            "MFT_DEPLOY__START_DATE": "2099-01-01",
+            # no scheduler runs here, so nothing starts by itself; `dags test` needs a start date in the past
+            "MFT_DEPLOY__START_DATE": "2026-01-01",
             "MFT_DEPLOY__RETRIES": "0",
             "MFT_DEPLOY__SPARK_CONF": json.dumps({"spark.sql.shuffle.partitions": "2", "spark.ui.enabled": "false"}),
             "MFT_CONFIG": str(base_config),
@@ -182,6 +184,12 @@ def test_reject_ends_the_run_without_training_and_records_why(setup, tmp_path):
     rec = _approval(art, "gate-reject")
     assert rec["decision"] == "rejected" and rec["reason"] == "near-duplicate rate too high"
     assert read_manifest(uris.join(art.cfg.pipeline.store_uri, "runs", "gate-reject", "model")) is None
+    # the report the run's data_report task committed, as the gate's link opens it
+    with browser_page() as page:
+        page.goto(uris.join(report_uri(art.train_ready_uri), PAGE))
+        widths = page.evaluate("[...document.images].map(i => i.naturalWidth)")
+        keep_screenshot(page, "data-report.png", tmp_path)
+    assert len(widths) == 5 and min(widths) > 0
 
 
 def test_approve_trains_and_publishes(setup, tmp_path):
