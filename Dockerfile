@@ -147,6 +147,7 @@ COPY pipeline_core ./pipeline_core
 COPY spark_jobs ./spark_jobs
 COPY training ./training
 COPY plugins ./plugins
+COPY reports ./reports
 COPY dags ./dags
 COPY sample_data ./sample_data
 # Editable, so the package's project root is /opt/mft: the embedded defaults (bundled sample,

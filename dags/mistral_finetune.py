@@ -1,4 +1,5 @@
-"""mistral_finetune: enrich (Spark) -> similarity filter + pack (Spark) -> train (DeepSpeed) -> publish.
+"""mistral_finetune: enrich (Spark) -> similarity filter + pack (Spark) -> data report -> [approval] -> train
+(DeepSpeed) -> publish (evaluation-gated, forward-only models/LATEST).
 
 Thin on purpose: the logic lives in `plugins.mft_airflow` and in the stage commands. Nothing here
 does I/O or imports a provider at parse time (tests/test_dag_parse.py bounds the parse time).
@@ -14,6 +15,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, AssetAlias, Param, TriggerRule
 
+from plugins.mft_airflow.gates import ApprovalGateOperator, DataReportOperator
 from plugins.mft_airflow.operators import (
     PublishModelOperator,
     ResolvePlanOperator,
@@ -60,6 +62,8 @@ with DAG(
         output_key="train_ready_uri", settings=settings, outlets=[TRAIN_READY],
         trigger_rule=TriggerRule.NONE_FAILED, execution_timeout=timedelta(minutes=settings.spark_timeout_min),
     )
+    report = DataReportOperator(task_id="data_report", trigger_rule=TriggerRule.NONE_FAILED)
+    approve = ApprovalGateOperator(task_id="approve", trigger_rule=TriggerRule.NONE_FAILED, retries=0)
     train = TrainOperator(
         task_id="train", settings=settings, pool=settings.gpu_pool, trigger_rule=TriggerRule.NONE_FAILED,
         execution_timeout=timedelta(minutes=settings.train_timeout_min),
@@ -68,4 +72,4 @@ with DAG(
         task_id="publish", execution_timeout=timedelta(minutes=settings.publish_timeout_min),
     )
 
-    resolve >> enrich >> filter_ >> train >> publish
+    resolve >> enrich >> filter_ >> report >> approve >> train >> publish

@@ -265,6 +265,19 @@ class TrainSection(Section):
         return self
 
 
+class ReleaseSection(Section):
+    """The gates between a dataset and a published model: a human approval before training
+    (`require_approval`) and an evaluation before `models/LATEST` moves (docs/orchestration.md)."""
+
+    require_approval: bool = Field(False, description="Wait for a human Approve/Reject (with the data report) before training")
+    promote_tolerance: float = Field(
+        0.0, ge=0.0, le=10.0,
+        description="models/LATEST moves when the new val loss <= the current LATEST's on the same val rows + this")
+    force_promote: bool = Field(False, description="Move models/LATEST even when the new model evaluates worse")
+    eval_max_rows: int | None = Field(256, ge=1, description="Packed val rows both models are evaluated on (null = all)")
+    eval_device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="Where the promotion eval runs")
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -273,6 +286,7 @@ class Config(BaseModel):
     enrich: EnrichSection = Field(default_factory=EnrichSection)
     filter: FilterSection = Field(default_factory=FilterSection)
     train: TrainSection = Field(default_factory=TrainSection)
+    release: ReleaseSection = Field(default_factory=ReleaseSection)
 
     def section_hash(self, name: str) -> str:
         """Short stable hash of one section: the `<cfg>` part of artifact paths."""

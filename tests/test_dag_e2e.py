@@ -105,7 +105,8 @@ def test_dags_test_local_store(home, tmp_path):
                                          "pipeline.staging_uri": uris.qualify(tmp_path / "staging")}}
     _, out, finished = dags_test(home, conf, "2026-01-02")
     states = task_states(home, finished.group(1))
-    assert states == dict.fromkeys(["resolve", "enrich", "filter", "train", "publish"], "success")
+    assert states == {**dict.fromkeys(["resolve", "enrich", "filter", "data_report", "train", "publish"], "success"),
+                      "approve": "skipped"}  # require_approval is off by default
     got = check_pipeline_output(store, None, "20260102")  # dataset version from the logical date
     assert "/runs/20260102-manual__" in got["run"]
     assert "loss start" in out  # the publish task's summary

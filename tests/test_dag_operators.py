@@ -4,6 +4,8 @@ checks the model's files before `models/LATEST` moves."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 from airflow.sdk import AssetAlias
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
@@ -99,28 +101,32 @@ def test_a_run_id_is_not_reused_for_other_data(plan, tmp_path):
 
 
 def test_publish_reports_losses_and_moves_latest_last(plan, tmp_path):
+    from pipeline_core.pointers import order_key_from_date, read_pointer
+    from tests.report_helpers import tiny_models, val_artifact
+
     _commit(tmp_path, plan["enriched_uri"], "enriched", {"data/a.parquet": b"e"},
             {"in": 10, "out": 8, "rejected": {"empty_answer": 2}})
-    _commit(tmp_path, plan["train_ready_uri"], "train-ready", {"data/train/a.parquet": b"t"},
-            {"in": 8, "out": 5, "rejected": {"near_duplicate": 3}}, inputs=[plan["enriched_uri"]])
-    model = _commit(tmp_path, plan["model_uri"], "model", {"data/model.safetensors": b"weights"},
-                    inputs=[plan["train_ready_uri"]])
+    val_artifact(tmp_path / "tr", plan["train_ready_uri"], inputs=[plan["enriched_uri"]])
+    model = publish_artifact(tiny_models(tmp_path / "models")["good"], plan["model_uri"], kind="model",
+                             inputs=[plan["train_ready_uri"]])
     _commit(tmp_path, uris.join(plan["run_uri"], "report"), "report",
             {"report/metrics.csv": b"step,loss,lr\n1,10.5,0.001\n2,9.25,0.001\n"},
             extra={"eval_loss": 9.0, "eval_perplexity": 8103.1})
-    s = publish_model(plan, None)
+    s = publish_model(plan, None, order_key_from_date(datetime(2026, 1, 1, tzinfo=UTC)))
     assert s["train"]["loss_start"] == 10.5 and s["train"]["loss_end"] == 9.25 and s["train"]["eval_loss"] == 9.0
     assert s["enrich"]["counts"]["rejected"] == {"empty_answer": 2} and s["model"]["files"] == len(model.files)
-    assert read_latest(plan["models_uri"]) == plan["model_uri"]
+    assert s["promotion"]["promoted"] and s["promotion"]["current_val_loss"] is None
+    assert read_pointer(plan["models_uri"]).target == plan["model_uri"] == read_latest(plan["models_uri"])
     text = format_summary(latest_summary(plan["store_uri"], None))
     assert "loss start 10.5000" in text and "-> end 9.2500" in text and plan["model_uri"] in text
+    assert "promote PROMOTED" in text
 
 
 def test_publish_refuses_a_model_with_a_missing_file(plan, tmp_path):
     model = _commit(tmp_path, plan["model_uri"], "model", {"data/model.safetensors": b"weights"})
     uris.to_local_path(uris.join(plan["model_uri"], model.object_path("data/model.safetensors"))).unlink()
     with pytest.raises(CorruptArtifact, match="model.safetensors"):
-        publish_model(plan, None)
+        publish_model(plan, None, "0" * 20)
     assert read_latest(plan["models_uri"]) is None
 
 

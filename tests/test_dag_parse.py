@@ -45,8 +45,9 @@ def test_dagbag_has_no_import_errors_and_parses_fast(tmp_path):
     r = results[0]
     assert r["errors"] == {}
     assert r["dag_ids"] == [DAG_ID]
-    assert r["tasks"] == ["enrich", "filter", "publish", "resolve", "train"]
-    assert r["edges"] == [["enrich", "filter"], ["filter", "train"], ["resolve", "enrich"], ["train", "publish"]]
+    assert r["tasks"] == ["approve", "data_report", "enrich", "filter", "publish", "resolve", "train"]
+    assert r["edges"] == [["approve", "train"], ["data_report", "approve"], ["enrich", "filter"],
+                          ["filter", "data_report"], ["resolve", "enrich"], ["train", "publish"]]
     # no provider, Spark, torch or boto3 import at parse time: they cost seconds, paid on every parse
     assert r["heavy"] == []
     # the machine is shared: judge CPU seconds (not wall), best of up to three cold parses

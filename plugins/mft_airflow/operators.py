@@ -197,18 +197,23 @@ class TrainOperator(BaseOperator):
 
 
 class PublishModelOperator(BaseOperator):
-    """Checks the model artifact is complete, points `models/LATEST` at it, writes the summary."""
+    """Evaluation-gated publish (plugins.mft_airflow.summary.publish_model): sha256 of every file,
+    val loss vs the current LATEST, summary, then `models/LATEST` forward only."""
 
     ui_color = "#e0f0ff"
 
     def execute(self, context: Any) -> dict[str, Any]:
+        from pipeline_core.pointers import order_key_from_date
         from plugins.mft_airflow.plan import load_plan_config
         from plugins.mft_airflow.summary import format_summary, publish_model
 
         plan = _plan(context)
         if "train" not in plan["stages"]:
             raise AirflowSkipException("no training in this run; nothing to publish")
-        summary = publish_model(plan, load_plan_config(plan).storage)
+        cfg = load_plan_config(plan)
+        # runs are ordered by logical date (trigger time for manual runs): LATEST never moves back
+        order_key = order_key_from_date(context.get("logical_date") or context["dag_run"].run_after)
+        summary = publish_model(plan, cfg.storage, order_key, cfg.release)
         self.log.info("\n%s", format_summary(summary))
         return summary
 

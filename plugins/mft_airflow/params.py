@@ -30,6 +30,9 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "seq_len": ("filter.seq_len", "train.seq_len"),
     "steps": ("train.steps",),
     "learning_rate": ("train.learning_rate",),
+    "require_approval": ("release.require_approval",),
+    "promote_tolerance": ("release.promote_tolerance",),
+    "force_promote": ("release.force_promote",),
 }
 
 
@@ -69,6 +72,14 @@ def param_specs(default_launcher: str = "local") -> dict[str, dict[str, Any]]:
                              minimum=32, maximum=131072),
         "steps": _nullable("integer", "Optimizer steps.", minimum=1, maximum=10_000_000),
         "learning_rate": _nullable("number", "Peak learning rate.", exclusiveMinimum=0, maximum=1),
+        "require_approval": _nullable(
+            "boolean", "Wait for Approve/Reject (with the data report) before training. Empty: config (off).",
+            title="Require approval"),
+        "promote_tolerance": _nullable(
+            "number", "models/LATEST moves if the new val loss <= current LATEST's + this. Empty: config (0).",
+            minimum=0, maximum=10, title="Promotion tolerance"),
+        "force_promote": _nullable("boolean", "Publish to models/LATEST even if it evaluates worse.",
+                                   title="Force promotion"),
         "launcher": {
             "default": default_launcher, "type": "string", "enum": list(LAUNCHERS), "title": "Training launcher",
             "description": "local: torchrun on the worker; docker: GPU container; kubernetes: GPU pod.",

@@ -1,8 +1,9 @@
 """Publishing the model and saying what a run did, read back from the committed manifests.
 
-`publish_model` checks every file the model manifest lists is in the store with its size, moves
-`models/LATEST` to the model (written last, after the model's manifest), and stores the run's
-summary next to it. `python -m plugins.mft_airflow.summary --store URI` prints the summary of the
+`publish_model` is the evaluation-gated promotion (`training.promote`): every model file is
+checked against its manifest's sha256, the model and the current `models/LATEST` are scored on
+the same val rows, the run's summary (with that decision and both numbers) is stored next to the
+model, and only then does `models/LATEST` move, forward only (`pipeline_core.pointers`). `python -m plugins.mft_airflow.summary --store URI` prints the summary of the
 latest published model (what `make demo` ends with).
 """
 
@@ -18,24 +19,15 @@ from typing import Any
 from pipeline_core import layout, uris
 from pipeline_core.artifacts import (
     ArtifactError,
-    CorruptArtifact,
     read_latest,
     read_manifest,
     require_manifest,
-    write_latest,
 )
-from pipeline_core.config import StorageSection, load_config
+from pipeline_core.config import ReleaseSection, StorageSection, load_config
+from pipeline_core.pointers import read_pointer
 from pipeline_core.store import open_store
 
 SUMMARY = "pipeline_summary.json"
-
-
-def _check_files(uri: str, manifest: Any, storage: StorageSection | None) -> None:
-    store, key = open_store(uri, storage)
-    for f in manifest.files:
-        info = store.head(f"{key.rstrip('/')}/{manifest.object_path(f['path'])}")
-        if info is None or info.size != f["size"]:
-            raise CorruptArtifact(f"{uris.join(uri, f['path'])}: missing or wrong size in the store; not publishing")
 
 
 def _losses(report_uri: str, storage: StorageSection | None) -> dict[str, Any]:
@@ -62,31 +54,54 @@ def _stage(uri: str, storage: StorageSection | None) -> dict[str, Any]:
             "timings": m.timings if m else None}
 
 
-def publish_model(plan: dict[str, Any], storage: StorageSection | None) -> dict[str, Any]:
+def publish_model(plan: dict[str, Any], storage: StorageSection | None, order_key: str,
+                  release: ReleaseSection | None = None) -> dict[str, Any]:
+    """Verify, evaluate, write the summary, then move `models/LATEST` if the gate allows it."""
+    from training.promote import apply, evaluate
+
+    release = release or ReleaseSection()
     model = require_manifest(plan["model_uri"], storage)
     if model.kind != "model":
         raise ArtifactError(f"{plan['model_uri']} is a {model.kind!r} artifact, not a model")
-    _check_files(plan["model_uri"], model, storage)
+    decision = evaluate(plan["model_uri"], plan["train_ready_uri"], plan["models_uri"], order_key, release, storage)
     summary = {
         "dataset_version": plan["dataset_version"],
         "run_id": plan["run_id"],
         "source_uri": plan["source_uri"],
         "enrich": _stage(plan["enriched_uri"], storage),
         "filter": _stage(plan["train_ready_uri"], storage),
+        "data_report": data_report_link(plan, storage),
         "train": {"run_uri": plan["run_uri"], **_losses(layout.report_uri(plan["run_uri"]), storage)},
         "model": {"uri": plan["model_uri"], "files": len(model.files),
                   "bytes": sum(f["size"] for f in model.files), "manifest_sha256": model.sha256},
+        "promotion": decision.to_dict(),
     }
-    store, key = open_store(plan["run_uri"], storage)
-    store.put_bytes(f"{key.rstrip('/')}/{SUMMARY}", json.dumps(summary, indent=2, sort_keys=True).encode())
-    write_latest(plan["models_uri"], plan["model_uri"], storage, replace=True)
+    _write_summary(plan["run_uri"], summary, storage)  # before LATEST can name this run
+    final = apply(decision, plan["models_uri"], storage, run_id=plan["run_id"])
+    if final != decision:
+        summary["promotion"] = final.to_dict()
+        _write_summary(plan["run_uri"], summary, storage)
     summary["latest"] = uris.join(plan["models_uri"], "LATEST")
     return summary
 
 
+def _write_summary(run_uri: str, summary: dict[str, Any], storage: StorageSection | None) -> None:
+    store, key = open_store(run_uri, storage)
+    store.put_bytes(f"{key.rstrip('/')}/{SUMMARY}", json.dumps(summary, indent=2, sort_keys=True).encode())
+
+
+def data_report_link(plan: dict[str, Any], storage: StorageSection | None) -> str | None:
+    """The committed data report's page for this run's train-ready artifact, if there is one."""
+    from reports.data_report import report_page_uri, report_uri
+
+    uri = report_uri(plan["train_ready_uri"])
+    return report_page_uri(uri) if read_manifest(uri, storage) is not None else None
+
+
 def latest_summary(store_uri: str, storage: StorageSection | None) -> dict[str, Any]:
     models = uris.join(store_uri, "models")
-    target = read_latest(models, storage)
+    pointer = read_pointer(models, storage)
+    target = pointer.target if pointer else read_latest(models, storage)  # stores from before LATEST.d
     if target is None:
         raise ArtifactError(f"no published model: {models}/LATEST does not exist")
     store, key = open_store(uris.parent(target), storage)
@@ -103,6 +118,15 @@ def _fmt_counts(counts: dict[str, Any] | None) -> str:
     extra = {k: v for k, v in counts.items() if k not in ("in", "out", "rejected")}
     tail = "  " + ", ".join(f"{k}={v}" for k, v in extra.items()) if extra else ""
     return f"rows in={counts.get('in')} out={counts.get('out')}  rejected: {rej}{tail}"
+
+
+def _fmt_promotion(p: dict[str, Any] | None) -> list[str]:
+    if not p:
+        return []
+    cur = "none" if p["current_val_loss"] is None else f"{p['current_val_loss']:.4f}"
+    verdict = "PROMOTED" if p["promoted"] else "NOT promoted"
+    return [f"  promote {verdict}: val loss {p['candidate_val_loss']:.4f} vs current LATEST {cur} "
+            f"({p['val_rows']} val rows, {p['val_target_tokens']} target tokens); {p['reason']}"]
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -122,7 +146,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f" (step {t.get('last_step')}); val loss {num(t.get('eval_loss'))}, perplexity {num(t.get('eval_perplexity'))}",
         f"          -> {t.get('run_uri')}",
         f"  model   {s['model']['uri']}  ({s['model']['files']} files, {s['model']['bytes'] / 1e6:.1f} MB)",
+        *_fmt_promotion(s.get("promotion")),
         f"  latest  {s.get('latest')}",
+        f"  report  {s.get('data_report') or '(no data report)'}",
     ]
     return "\n".join(lines)
 

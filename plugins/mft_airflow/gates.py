@@ -1,0 +1,154 @@
+"""The data report task and the human approval gate (before training).
+
+`DataReportOperator` runs the report stage (`reports.data_report.build`) in the worker: it reads
+committed artifacts only and commits `datasets/<version>/report/<id>/`; its XCom (and the task's
+"Data report" extra link) name the page.
+
+`ApprovalGateOperator` is Airflow's own `ApprovalOperator` (standard provider, HITL, 3.1+), on only
+when `release.require_approval` is set (the `require_approval` param; off by default, so scheduled
+runs never wait). It shows the report's headline numbers and link in the Required Actions UI;
+"Reject" skips train and publish, and the decision (who, when, the reason typed in the form) is
+written to `runs/<run_id>/approval.json` and returned in XCom. The provider operator is built
+inside `execute` / `execute_complete`: importing it costs ~0.2 s on every DAG parse.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+from airflow.sdk import BaseOperator, BaseOperatorLink
+from airflow.sdk.bases.skipmixin import SkipMixin
+from airflow.sdk.exceptions import AirflowSkipException
+
+APPROVAL_RECORD = "approval.json"
+REASON = "reason"
+REPORT_TASK_ID = "data_report"
+
+
+def _plan(context: Any) -> dict[str, Any]:
+    from plugins.mft_airflow.operators import _plan as plan_of
+
+    return plan_of(context)
+
+
+class DataReportLink(BaseOperatorLink):
+    name = "Data report"
+
+    def get_link(self, operator: BaseOperator, *, ti_key: Any) -> str:
+        from airflow.sdk.execution_time.xcom import XCom
+
+        value = XCom.get_value(ti_key=ti_key, key="return_value")
+        return (value or {}).get("page") or ""
+
+
+class DataReportOperator(BaseOperator):
+    """Commit the data report of the run's train-ready artifact (nothing to do when committed)."""
+
+    ui_color = "#fff7e0"
+    operator_extra_links = (DataReportLink(),)
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        from pipeline_core.artifacts import read_manifest
+        from plugins.mft_airflow.plan import load_plan_config
+        from reports.data_report import build, report_page_uri
+
+        plan = _plan(context)
+        storage = load_plan_config(plan).storage
+        if "filter" not in plan["stages"] and read_manifest(plan["train_ready_uri"], storage) is None:
+            raise AirflowSkipException(f"no train-ready artifact at {plan['train_ready_uri']} to report on")
+        m = build(plan["train_ready_uri"], storage=storage)
+        out = {"uri": m.uri, "page": report_page_uri(m.uri), "headline": m.extra.get("headline")}
+        self.log.info("data report: %s", out["page"])
+        return out
+
+
+def gate_text(plan: dict[str, Any], report: dict[str, Any] | None) -> tuple[str, str]:
+    """(subject, Markdown body) of the approval request."""
+    subject = f"Train {plan['run_id']} on dataset {plan['dataset_version']}?"
+    if not report:
+        return subject, f"No data report was committed for `{plan['train_ready_uri']}`."
+    h = report.get("headline") or {}
+    rejected = ", ".join(f"{k} {v}" for k, v in sorted((h.get("rejected") or {}).items())) or "none"
+    tokens = ", ".join(f"{k} {v:,}" for k, v in sorted((h.get("tokens") or {}).items()))
+    eff = h.get("packing_efficiency")
+    body = "\n".join([
+        f"**Data report**: [{report['page']}]({report['page']})",
+        "",
+        "| | |", "|---|---|",
+        f"| records in → enriched → kept | {h.get('records_in')} → {h.get('enriched')} → {h.get('kept')} |",
+        f"| rejected | {rejected} |",
+        f"| tokens | {tokens} (seq_len {h.get('seq_len')}) |",
+        f"| val documents | {h.get('val_documents')} |",
+        f"| packing efficiency | {eff:.1%} |" if isinstance(eff, float) else "| packing efficiency | n/a |",
+        "",
+        f"Approve to train `{plan['run_id']}` on `{plan['train_ready_uri']}`; Reject ends the run without "
+        "training (give the reason).",
+    ])
+    return subject, body
+
+
+class ApprovalGateOperator(BaseOperator, SkipMixin):
+    """Approve / Reject before training, when `release.require_approval` is set."""
+
+    ui_color = "#fde2e2"
+
+    def _approval(self, plan: dict[str, Any], report: dict[str, Any] | None):
+        from airflow.providers.standard.operators.hitl import ApprovalOperator
+        from airflow.sdk import Param
+
+        subject, body = gate_text(plan, report)
+        return ApprovalOperator(
+            task_id=self.task_id, subject=subject, body=body, ignore_downstream_trigger_rules=True,
+            params={REASON: Param("", type="string", title="Reason", description="Why (kept with the decision)")},
+        )
+
+    def _report(self, context: Any) -> dict[str, Any] | None:
+        return context["ti"].xcom_pull(task_ids=REPORT_TASK_ID)
+
+    def execute(self, context: Any) -> Any:
+        from plugins.mft_airflow.plan import load_plan_config
+
+        plan = _plan(context)
+        if "train" not in plan["stages"]:
+            raise AirflowSkipException("no training in this run; nothing to approve")
+        if not load_plan_config(plan).release.require_approval:
+            raise AirflowSkipException("release.require_approval is off: training needs no approval")
+        return self._approval(plan, self._report(context)).execute(context)  # waits for a human
+
+    def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
+        from plugins.mft_airflow.plan import load_plan_config
+
+        plan = _plan(context)
+        approval = self._approval(plan, self._report(context))
+        chosen = (event.get("chosen_options") or [None])[0]
+        record = approval_record(plan, event, approved=chosen == approval.APPROVE)
+        write_approval(plan["run_uri"], record, load_plan_config(plan).storage)
+        self.log.info("approval: %s", json.dumps(record))
+        approval.execute_complete(context, event)  # validates the response like the provider does
+        if not record["approved"]:
+            # the provider skips its own downstream; the inner operator has none, this task does
+            downstream = [t for t in context["task"].get_flat_relatives(upstream=False) if not t.is_teardown]
+            self.log.info("rejected: skipping %s", sorted(t.task_id for t in downstream))
+            self.skip(ti=context["ti"], tasks=downstream)
+        return record
+
+
+def approval_record(plan: dict[str, Any], event: dict[str, Any], approved: bool) -> dict[str, Any]:
+    params = event.get("params_input") or {}
+    reason = params.get(REASON)
+    if isinstance(reason, dict):  # serialized Param form
+        reason = reason.get("value")
+    at = event.get("responded_at")
+    return {"approved": approved, "decision": "approved" if approved else "rejected", "reason": reason or "",
+            "by": event.get("responded_by_user"), "at": at.isoformat() if isinstance(at, datetime) else at,
+            "timed_out": bool(event.get("timedout")), "dataset_version": plan["dataset_version"],
+            "train_ready_uri": plan["train_ready_uri"]}
+
+
+def write_approval(run_uri: str, record: dict[str, Any], storage: Any) -> None:
+    from pipeline_core.store import open_store
+
+    store, key = open_store(run_uri, storage)
+    store.put_bytes(f"{key.rstrip('/')}/{APPROVAL_RECORD}", json.dumps(record, indent=2, sort_keys=True).encode())

@@ -1,0 +1,187 @@
+"""What the data report shows, read from committed artifacts only (manifests, rejects, data).
+
+`collect` turns a train-ready artifact and the enriched artifact it came from into `ReportFacts`:
+plain numbers and small samples, no pictures. The charts and the page are drawn from these
+(`charts.py`, `page.py`), and the approval gate's headline is `ReportFacts.headline`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+from pydantic import ValidationError
+
+from pipeline_core.artifacts import Manifest
+from pipeline_core.handoffs import TrainReadyInfo
+
+SIM_COLUMNS = ("sim_question_answer", "sim_context_question", "sim_context_answer")
+NEAR_DUPLICATE = "near_duplicate"
+IGNORE_INDEX = -100
+NO_SPLIT = "unsplit"  # rejects without an id cannot be placed in a split
+# "near duplicate of <id> (similarity 0.9876)": the filter's detail text until rejects carry
+# `duplicate_of` and `score` fields of their own (both are read first when present)
+_NEAR_DETAIL = re.compile(r"near duplicate of (?P<of>\S+) \(similarity (?P<score>-?[0-9.]+)\)")
+
+
+@dataclass(frozen=True)
+class NearDuplicate:
+    id: str
+    question: str
+    duplicate_of: str | None
+    duplicate_question: str | None
+    score: float | None
+
+
+@dataclass(frozen=True)
+class Span:
+    text: str
+    trained: bool
+
+
+@dataclass(frozen=True)
+class Headline:
+    """The numbers the approval gate shows next to the report link."""
+
+    records_in: int
+    enriched: int
+    kept: int
+    rejected: dict[str, int]
+    tokens: dict[str, int]
+    target_tokens: dict[str, int]
+    documents: dict[str, int]
+    val_documents: int
+    packing_efficiency: float | None
+    seq_len: int
+
+
+@dataclass
+class ReportFacts:
+    dataset_version: str
+    train_ready_uri: str
+    enriched_uri: str
+    headline: Headline
+    rejects_by_split: dict[str, dict[str, int]]  # "<stage>:<reason>" -> split -> count
+    similarities: dict[str, np.ndarray]  # column -> values of the enriched rows (NaN dropped)
+    similarity_kept: dict[str, np.ndarray]  # column -> values of the rows the filter kept
+    thresholds: dict[str, float | None]
+    near_duplicates: list[NearDuplicate]
+    near_duplicate_scores: np.ndarray
+    doc_lengths: dict[str, np.ndarray]  # split -> packed document lengths (tokens)
+    doc_lengths_sampled_rows: dict[str, int]
+    packing_by_split: dict[str, float | None]
+    example: list[Span] = field(default_factory=list)
+    example_split: str | None = None
+
+    def to_extra(self) -> dict[str, Any]:
+        return {"headline": asdict(self.headline), "dataset_version": self.dataset_version,
+                "thresholds": self.thresholds, "near_duplicates_shown": len(self.near_duplicates)}
+
+
+def train_ready_info(manifest: Manifest) -> TrainReadyInfo | None:
+    """The typed hand-off; None for manifests written before the filter filled it."""
+    try:
+        return TrainReadyInfo.from_manifest(manifest)
+    except ValidationError:
+        return None
+
+
+def split_tokens(manifest: Manifest, info: TrainReadyInfo | None) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """(tokens, target tokens, documents) per split, from the typed hand-off or the older extra."""
+    splits = manifest.extra.get("splits") or {}
+    tokens = dict(info.tokens) if info and info.tokens else {s: int(v.get("doc_tokens", 0)) for s, v in splits.items()}
+    targets = (dict(info.target_tokens) if info and info.target_tokens
+               else {s: int(v.get("answer_tokens", 0)) for s, v in splits.items()})
+    docs = dict(info.documents) if info and info.documents else {s: int(v.get("documents", 0)) for s, v in splits.items()}
+    return tokens, targets, docs
+
+
+def read_table(files: list[Path], columns: list[str]) -> dict[str, list]:
+    out: dict[str, list] = {c: [] for c in columns}
+    for f in files:
+        names = set(pq.ParquetFile(f).schema_arrow.names)
+        t = pq.read_table(f, columns=[c for c in columns if c in names])
+        for c in columns:
+            out[c].extend(t.column(c).to_pylist() if c in names else [None] * t.num_rows)
+    return out
+
+
+def reject_rows(files: list[Path]) -> list[dict[str, Any]]:
+    t = read_table(files, ["id", "stage", "reason", "raw"])
+    return [dict(zip(t, vals, strict=True)) for vals in zip(*t.values(), strict=True)]
+
+
+def _raw(row: dict[str, Any]) -> dict[str, Any]:
+    try:
+        raw = json.loads(row["raw"] or "{}")
+    except ValueError:
+        return {}
+    return raw if isinstance(raw, dict) else {}
+
+
+def near_duplicate_of(row: dict[str, Any]) -> tuple[str | None, float | None]:
+    """(partner id, cosine) of a near-duplicate reject: typed fields first, else the detail text."""
+    raw = _raw(row)
+    of, score = raw.get("duplicate_of"), raw.get("score")
+    if of is None or score is None:
+        m = _NEAR_DETAIL.search(str(raw.get("detail") or ""))
+        if m:
+            of, score = of or m["of"], score if score is not None else float(m["score"])
+    return (None if of is None else str(of)), (None if score is None else float(score))
+
+
+def split_of_id(record_id: str | None, seed: int, val_fraction: float) -> str:
+    from spark_jobs.split import split_of  # the filter's own rule (pure Python twin)
+
+    return NO_SPLIT if not record_id else split_of(record_id, seed, val_fraction)
+
+
+def document_lengths(position_ids: list[list[int]], labels: list[list[int]]) -> np.ndarray:
+    """Lengths of the packed documents (the trailing padding segment, without targets, excluded)."""
+    from spark_jobs.packing import split_documents
+
+    out = []
+    for pos, lab in zip(position_ids, labels, strict=True):
+        lab_a = np.asarray(lab)
+        for s, e in split_documents(np.asarray(pos)):
+            if (lab_a[s:e] != IGNORE_INDEX).any():
+                out.append(e - s)
+    return np.asarray(out, dtype=np.int64)
+
+
+def mask_spans(ids: list[int], labels: list[int], decode) -> list[Span]:
+    """The document as text runs, each marked trained (labels != -100) or not. Each run is the
+    difference of two prefix decodes, so SentencePiece spacing stays exact at run boundaries."""
+    trained = [lab != IGNORE_INDEX for lab in labels]
+    bounds = [0] + [i for i in range(1, len(ids)) if trained[i] != trained[i - 1]] + [len(ids)]
+    spans, prev = [], ""
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+        text = decode(ids[:e])
+        spans.append(Span(text[len(prev):] if text.startswith(prev) else decode(ids[s:e]), trained[s]))
+        prev = text
+    return spans
+
+
+def richest_document(input_ids: list[list[int]], labels: list[list[int]], position_ids: list[list[int]],
+                     max_tokens: int = 768) -> tuple[list[int], list[int]] | None:
+    """The document with the most separate trained spans (the most assistant turns), shortest first
+    among equals, so the example shows a multi-turn loss mask whenever the data has one."""
+    from spark_jobs.packing import split_documents
+
+    best, best_key = None, None
+    for ids, lab, pos in zip(input_ids, labels, position_ids, strict=True):
+        lab_a = np.asarray(lab)
+        for s, e in split_documents(np.asarray(pos)):
+            seg = lab_a[s:e] != IGNORE_INDEX
+            if not seg.any() or e - s > max_tokens:
+                continue
+            runs = int(seg[0]) + int(np.count_nonzero(seg[1:] & ~seg[:-1]))
+            key = (-runs, e - s)
+            if best_key is None or key < best_key:
+                best, best_key = (list(ids[s:e]), list(lab[s:e])), key
+    return best

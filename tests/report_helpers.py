@@ -1,0 +1,116 @@
+"""The bundled sample through the real enrich and filter stages (Spark local[2]) into a store, and
+small real models for the promotion tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline_core import layout, uris
+from pipeline_core.config import Config, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE = REPO / "sample_data" / "nemotron_v1"
+
+
+@dataclass(frozen=True)
+class SampleArtifacts:
+    cfg: Config
+    enriched_uri: str
+    train_ready_uri: str
+
+
+def sample_config(store_uri: str, staging: Path, **overrides) -> Config:
+    return load_config(env={}, overrides={
+        "pipeline.store_uri": store_uri, "pipeline.staging_uri": uris.qualify(staging),
+        "pipeline.source_uri": uris.qualify(SAMPLE), "pipeline.dataset_version": "sample",
+        "enrich": {"spark_master": "local[2]", "shuffle_partitions": 2},
+        "filter": {"spark_master": "local[2]", "shuffle_partitions": 2, "seq_len": 256, "val_fraction": 0.2},
+        "train": {"seq_len": 256},
+        **overrides,
+    })
+
+
+def build_sample(store_uri: str, staging: Path, spark=None) -> SampleArtifacts:
+    """enrich + filter of the bundled sample (a committed output is reused: both are idempotent)."""
+    from spark_jobs import enrich, similarity_filter
+    from spark_jobs.common import spark_session
+
+    cfg = sample_config(store_uri, staging)
+    own = spark is None
+    if own:
+        spark = spark_session("test-report", "local[2]", 2, {"spark.ui.enabled": "false",
+                                                             "spark.sql.execution.arrow.maxRecordsPerBatch": "512"})
+    try:
+        enriched, train_ready = layout.enriched_uri(cfg), layout.train_ready_uri(cfg)
+        enrich.run(cfg.pipeline.source_uri, enriched, cfg, spark=spark)
+        similarity_filter.run(enriched, train_ready, cfg, spark=spark)
+    finally:
+        if own:
+            spark.stop()
+    return SampleArtifacts(cfg, enriched, train_ready)
+
+
+SEQ = 48
+IGNORE_INDEX = -100
+
+
+def packed_rows(n_rows: int, seed: int = 0):
+    """A pyarrow table of SEQ-token rows, two documents each (prompt masked, answer trained) + padding."""
+    import numpy as np
+    import pyarrow as pa
+
+    rng = np.random.default_rng(seed)
+    rows: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+    for _ in range(n_rows):
+        ids, labels, pos = [], [], []
+        for n in (20, 18):
+            doc = [1, *rng.integers(3, 32000, n - 1).tolist()]
+            ids += doc
+            labels += [IGNORE_INDEX] * (n // 2) + doc[n // 2:]
+            pos += list(range(n))
+        pad = SEQ - len(ids)
+        ids, labels, pos = ids + [0] * pad, labels + [IGNORE_INDEX] * pad, pos + list(range(pad))
+        for k, v in zip(rows, (ids, labels, pos), strict=True):
+            rows[k].append(v)
+    return pa.table({k: pa.array(v, pa.list_(pa.int32())) for k, v in rows.items()})
+
+
+def val_artifact(local_dir: Path, uri: str, storage=None, inputs=()) -> str:
+    """A committed train-ready artifact holding only a val split of `packed_rows`."""
+    import pyarrow.parquet as pq
+
+    from pipeline_core.artifacts import publish_artifact
+
+    (local_dir / "data" / "val").mkdir(parents=True)
+    pq.write_table(packed_rows(4), local_dir / "data" / "val" / "part-00000.parquet")
+    publish_artifact(local_dir, uri, kind="train-ready", storage=storage, extra={"seq_len": SEQ}, inputs=list(inputs))
+    return uri
+
+
+def tiny_models(root: Path) -> dict[str, Path]:
+    """Model artifact directories (`<dir>/data/` = save_pretrained): 'good' is a seeded random tiny
+    Mistral; 'bad' the same with a sharpened LM head (confidently wrong, a higher val loss)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from training.tiny import make_tiny_model
+
+    good = make_tiny_model(root / "good" / "data", max_shard_size=None)
+    m = AutoModelForCausalLM.from_pretrained(str(good))
+    with torch.no_grad():
+        m.lm_head.weight.mul_(40.0)
+    bad = root / "bad" / "data"
+    m.save_pretrained(str(bad))
+    for f in good.iterdir():
+        if f.name.startswith("tokenizer"):
+            (bad / f.name).write_bytes(f.read_bytes())
+    return {"good": good.parent, "bad": bad.parent}
+
+
+if __name__ == "__main__":  # a development store: python -m tests.report_helpers /tmp/store
+    import sys
+
+    root = Path(sys.argv[1]).resolve()
+    art = build_sample(uris.qualify(root / "store"), root / "staging")
+    print(art.enriched_uri, art.train_ready_uri)

@@ -1,0 +1,106 @@
+"""The data report of the bundled sample: real enrich + filter (Spark local[2]), then the report
+stage; its pictures load in a real headless Chromium and its figures match the manifests."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline_core import uris
+from pipeline_core.artifacts import read_manifest, verify_artifact
+from pipeline_core.handoffs import TrainReadyInfo
+from reports.data_report import KIND, PAGE, build, report_uri
+from reports.facts import mask_spans, near_duplicate_of, train_ready_info
+from tests.browser import browser_page, keep_screenshot
+from tests.report_helpers import build_sample
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report")
+    art = build_sample(uris.qualify(root / "store"), root / "staging")
+    manifest = build(art.train_ready_uri)
+    return art, manifest
+
+
+def test_report_artifact_has_its_pictures_and_numbers(sample):
+    art, m = sample
+    assert m.kind == KIND and m.uri == report_uri(art.train_ready_uri)
+    assert m.uri.endswith(f"/datasets/sample/report/{uris.name(art.train_ready_uri)}")
+    verify_artifact(m.uri)
+    charts = [f for f in m.file_paths("data/charts/") if f.endswith(".png")]
+    assert sorted(charts) == [f"data/charts/{n}.png" for n in
+                              sorted(("rejects", "similarity", "near_duplicates", "document_lengths", "tokens"))]
+    root = uris.to_local_path(m.uri)
+    assert all((root / c).read_bytes().startswith(PNG) and (root / c).stat().st_size > 5000 for c in charts)
+    tr, en = read_manifest(art.train_ready_uri), read_manifest(art.enriched_uri)
+    h = m.extra["headline"]
+    assert h["records_in"] == en.counts["in"] == 300 and h["enriched"] == en.counts["out"]
+    assert h["kept"] == tr.counts["out"]
+    assert h["tokens"] == tr.extra["tokens"] and h["packing_efficiency"] == tr.extra["packing_efficiency"]
+    rejected = {f"enrich:{k}": v for k, v in en.counts["rejected"].items()}
+    rejected |= {f"filter:{k}": v for k, v in tr.counts["rejected"].items()}
+    assert h["rejected"] == rejected
+    assert {i["uri"] for i in m.inputs} == {art.train_ready_uri, art.enriched_uri}
+    assert build(art.train_ready_uri).sha256 == m.sha256  # committed: a rerun is a no-op
+
+
+def test_page_renders_in_chromium_and_matches_the_manifests(sample, tmp_path):
+    art, m = sample
+    tr, en = read_manifest(art.train_ready_uri), read_manifest(art.enriched_uri)
+    page_uri = uris.join(m.uri, PAGE)
+    requests: list[str] = []
+    with browser_page() as page:
+        page.on("request", lambda r: requests.append(r.url))
+        page.goto(page_uri)
+        images = page.evaluate("[...document.images].map(i => ({alt: i.alt, w: i.naturalWidth, h: i.naturalHeight}))")
+        metrics = page.evaluate(
+            "Object.fromEntries([...document.querySelectorAll('[data-metric]')].map(e => [e.dataset.metric, e.textContent.trim()]))")
+        trained = page.locator("#example .trained").all_inner_texts()
+        keep_screenshot(page, "data-report.png", tmp_path)
+    assert len(images) == 5 and all(i["w"] > 0 and i["h"] > 0 for i in images), images
+    assert all(u.startswith(("file:", "data:")) for u in requests), requests  # nothing from the network
+    assert metrics["dataset_version"] == "sample"
+    assert int(metrics["records_in"]) == en.counts["in"] and int(metrics["enriched"]) == en.counts["out"]
+    assert int(metrics["kept"]) == tr.counts["out"]
+    for split, n in tr.extra["tokens"].items():
+        assert int(metrics[f"tokens-{split}"]) == n
+    info = train_ready_info(tr)  # the typed hand-off once the filter writes it, else the older extra
+    val_docs = info.documents["val"] if info and info.documents else tr.extra["splits"]["val"]["documents"]
+    assert int(metrics["val_documents"]) == val_docs
+    assert float(metrics["packing_efficiency"]) == pytest.approx(tr.extra["packing_efficiency"], abs=1e-4)
+    for reason, n in tr.counts["rejected"].items():
+        assert int(metrics[f"rejected-filter:{reason}"]) == n
+    for reason, n in en.counts["rejected"].items():
+        assert int(metrics[f"rejected-enrich:{reason}"]) == n
+    assert trained and all(t.strip() for t in trained)  # the answer is highlighted as trained text
+
+
+def test_loss_mask_spans_decode_exactly():
+    from spark_jobs.chat_format import load_tokenizer
+
+    tok = load_tokenizer("mistral-v1")
+    prompt, completion = tok.encode("What is 2 + 2?", "It is 4.")
+    ids = prompt + completion
+    labels = [-100] * len(prompt) + completion
+    spans = mask_spans(ids, labels, tok.decode)
+    assert [s.trained for s in spans] == [False, True]
+    assert "".join(s.text for s in spans) == tok.decode(ids)
+    assert spans[1].text.strip().startswith("It is 4.")
+
+
+def test_near_duplicate_partner_is_read_from_typed_fields_or_the_detail():
+    typed = {"raw": json.dumps({"duplicate_of": "a", "score": 0.97, "detail": "near duplicate of b (similarity 0.5)"})}
+    assert near_duplicate_of(typed) == ("a", 0.97)
+    assert near_duplicate_of({"raw": json.dumps({"detail": "near duplicate of x-1 (similarity 0.9512)"})}) == ("x-1", 0.9512)
+    assert near_duplicate_of({"raw": "not json"}) == (None, None)
+
+
+def test_sample_manifest_still_reads_without_the_typed_handoff(sample):
+    art, _ = sample
+    tr = read_manifest(art.train_ready_uri)
+    info = train_ready_info(tr)
+    assert info is None or isinstance(info, TrainReadyInfo)

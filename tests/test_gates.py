@@ -1,0 +1,31 @@
+"""The approval request's text and the recorded decision, without a scheduler (the full gate runs
+under Airflow in tests/test_ui_gate.py)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from plugins.mft_airflow.gates import approval_record, gate_text
+
+PLAN = {"run_id": "r1", "dataset_version": "20260101", "train_ready_uri": "s3://b/datasets/20260101/train/abc"}
+REPORT = {"page": "s3://b/datasets/20260101/report/abc/data/index.html", "headline": {
+    "records_in": 300, "enriched": 286, "kept": 253, "rejected": {"filter:near_duplicate": 21},
+    "tokens": {"train": 11937, "val": 2960}, "seq_len": 256, "val_documents": 48, "packing_efficiency": 0.9699}}
+
+
+def test_request_shows_the_headline_numbers_and_the_report_link():
+    subject, body = gate_text(PLAN, REPORT)
+    assert subject == "Train r1 on dataset 20260101?"
+    for text in (REPORT["page"], "300 → 286 → 253", "filter:near_duplicate 21", "train 11,937", "val 2,960",
+                 "| val documents | 48 |", "97.0%"):
+        assert text in body, text
+    assert "No data report" in gate_text(PLAN, None)[1]
+
+
+def test_decision_record_keeps_who_when_and_why():
+    at = datetime(2026, 1, 1, 3, tzinfo=UTC)
+    rec = approval_record(PLAN, {"chosen_options": ["Reject"], "params_input": {"reason": "too many dups"},
+                                 "responded_by_user": {"id": "u1", "name": "ana"}, "responded_at": at}, approved=False)
+    assert rec["decision"] == "rejected" and rec["reason"] == "too many dups"
+    assert rec["by"] == {"id": "u1", "name": "ana"} and rec["at"] == at.isoformat()
+    assert approval_record(PLAN, {"params_input": {"reason": {"value": "ok"}}}, approved=True)["reason"] == "ok"

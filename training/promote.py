@@ -1,0 +1,157 @@
+"""Evaluation-gated, forward-only promotion of a trained model to `models/LATEST`.
+
+    python -m training.promote --model URI --val URI --models URI --order-key KEY [--config FILE]
+
+1. The new model's files are downloaded and every one is checked against its manifest's sha256
+   (a same-size corrupt `model.safetensors` stops here, before any pointer moves).
+2. The new model and the current LATEST are evaluated with `val_loss` on the same rows of the
+   new model's val split (token-weighted: Σ loss / Σ target tokens).
+3. LATEST moves when new <= current + `release.promote_tolerance`, when there is no current
+   model, or when `release.force_promote` is set; and then only forward (`pointers.advance`:
+   a run with an older order key never replaces a newer one).
+The decision, with both numbers, is returned (and written by the caller into the run summary
+and the run's `promotion.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from pipeline_core import uris
+from pipeline_core.artifacts import ArtifactError, fetch_artifact, require_manifest
+from pipeline_core.config import Config, ReleaseSection, StorageSection, load_config
+from pipeline_core.pointers import advance, read_pointer
+
+log = logging.getLogger("training.promote")
+
+MODEL_FILES = "data/"
+VAL_FILES = "data/val/"
+
+
+@dataclass(frozen=True)
+class Promotion:
+    """The gate's decision and the numbers it was made on."""
+
+    promoted: bool
+    reason: str
+    candidate_uri: str
+    candidate_val_loss: float | None
+    current_uri: str | None
+    current_val_loss: float | None
+    tolerance: float
+    forced: bool
+    val_uri: str
+    val_rows: int
+    val_target_tokens: int
+    order_key: str
+    latest_uri: str | None = None  # where models/LATEST points after the decision
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def decide(candidate: float, current: float | None, tolerance: float, forced: bool) -> tuple[bool, str]:
+    """The rule alone: (promote?, why)."""
+    if current is None:
+        return True, "no model is published yet"
+    margin = candidate - current
+    if margin <= tolerance:
+        return True, f"val loss {candidate:.4f} <= current {current:.4f} + tolerance {tolerance:g}"
+    if forced:
+        return True, f"forced (release.force_promote): val loss {candidate:.4f} is worse than current {current:.4f} by {margin:.4f}"
+    return False, (f"val loss {candidate:.4f} is worse than the current LATEST's {current:.4f} by {margin:.4f} > "
+                   f"release.promote_tolerance={tolerance:g}; set release.force_promote to publish it anyway")
+
+
+def _fetch_model(uri: str, dest: Path, storage: StorageSection | None) -> Path:
+    manifest = require_manifest(uri, storage, kind="model")
+    fetch_artifact(uri, dest, storage)  # every file, sha256-checked against the manifest
+    if not manifest.file_paths(MODEL_FILES):
+        raise ArtifactError(f"{uri}: the model artifact has no {MODEL_FILES} files")
+    return dest / MODEL_FILES
+
+
+def evaluate(model_uri: str, val_uri: str, models_uri: str, order_key: str, release: ReleaseSection,
+             storage: StorageSection | None = None) -> Promotion:
+    """Steps 1-2 and the rule: verify, evaluate both models, decide. Moves nothing."""
+    from training.val_loss import val_loss
+
+    model_uri, val_uri = model_uri.rstrip("/"), val_uri.rstrip("/")
+    current = read_pointer(models_uri, storage)
+    with tempfile.TemporaryDirectory(prefix="promote-") as tmp:
+        root = Path(tmp)
+        new_dir = _fetch_model(model_uri, root / "candidate", storage)  # raises before any pointer moves
+        fetch_artifact(val_uri, root / "val", storage, prefix=VAL_FILES)
+        val_files = sorted((root / "val" / VAL_FILES).glob("*.parquet"))
+        kw = {"max_rows": release.eval_max_rows, "device": release.eval_device}
+        cand = val_loss(new_dir, val_files, **kw)
+        log.info("candidate %s: val loss %.4f over %d target tokens", model_uri, cand.loss, cand.target_tokens)
+        cur_loss, incomparable = None, None
+        if current is not None and current.target != model_uri:
+            current_dir = _fetch_model(current.target, root / "current", storage)  # a corrupt LATEST fails loudly
+            try:
+                cur_loss = val_loss(current_dir, val_files, **kw).loss
+                log.info("current LATEST %s: val loss %.4f on the same rows", current.target, cur_loss)
+            except (IndexError, RuntimeError, ValueError) as e:  # e.g. another vocabulary than this split's
+                incomparable = f"the current LATEST {current.target} cannot be scored on {val_uri}: {e}"
+        elif current is not None:
+            cur_loss = cand.loss  # a retried publish: LATEST already is this model
+    if incomparable:
+        ok = release.force_promote
+        reason = (f"forced (release.force_promote); {incomparable}" if ok else
+                  f"{incomparable}; set release.force_promote to publish without a comparison")
+    else:
+        ok, reason = decide(cand.loss, cur_loss, release.promote_tolerance, release.force_promote)
+    return Promotion(
+        promoted=ok, reason=reason, candidate_uri=model_uri, candidate_val_loss=cand.loss,
+        current_uri=current.target if current else None, current_val_loss=cur_loss,
+        tolerance=release.promote_tolerance, forced=release.force_promote, val_uri=val_uri, val_rows=cand.rows,
+        val_target_tokens=cand.target_tokens, order_key=order_key,
+        latest_uri=current.target if current else None,
+    )
+
+
+def apply(decision: Promotion, models_uri: str, storage: StorageSection | None = None, *,
+          run_id: str | None = None) -> Promotion:
+    """Step 3: move LATEST forward if the decision says so; the result says where it points."""
+    if not decision.promoted:
+        return decision
+    moved = advance(models_uri, decision.candidate_uri, decision.order_key, storage, run_id=run_id,
+                    extra={"val_uri": decision.val_uri, "val_loss": decision.candidate_val_loss,
+                           "previous": decision.current_uri})
+    latest = moved.current.target if moved.current else decision.latest_uri
+    if moved.moved:
+        return replace(decision, latest_uri=latest)
+    return replace(decision, promoted=False, latest_uri=latest, reason=f"{decision.reason}; not moved: {moved.reason}")
+
+
+def promote(model_uri: str, val_uri: str, models_uri: str, order_key: str, release: ReleaseSection,
+            storage: StorageSection | None = None, *, run_id: str | None = None) -> Promotion:
+    return apply(evaluate(model_uri, val_uri, models_uri, order_key, release, storage), models_uri, storage,
+                 run_id=run_id)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Evaluate a trained model against models/LATEST and promote it if no worse.")
+    p.add_argument("--model", required=True, help="committed model artifact URI (runs/<run>/model)")
+    p.add_argument("--val", required=True, help="train-ready artifact URI whose val split both models are scored on")
+    p.add_argument("--models", required=True, help="the models/ prefix holding LATEST")
+    p.add_argument("--order-key", required=True, help="20-digit order key of this run (pointers.order_key_from_date)")
+    p.add_argument("--config", default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg: Config = load_config(args.config)
+    result = promote(uris.require_uri(args.model, "--model"), uris.require_uri(args.val, "--val"),
+                     uris.require_uri(args.models, "--models"), args.order_key, cfg.release, cfg.storage)
+    print(json.dumps(result.to_dict(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
