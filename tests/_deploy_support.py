@@ -204,6 +204,8 @@ def run_in_image(argv: list[str], *, volumes: dict[Path, str] | None = None, env
     assert image, "no image under test (MFT_TEST_IMAGE)"
     name = f"mft-test-{os.getpid()}-{next(_run_ids)}"
     cmd = [docker_cli(), "run", "--rm", "--name", name, "--network", network]
+    if network == "none":  # no DNS: a hostname that /etc/hosts resolves (the JVM looks its own up)
+        cmd += ["--hostname", "localhost"]
     for src, dst in (volumes or {}).items():
         cmd += ["-v", f"{src}:{dst}"]
     for k, v in (env or {}).items():

@@ -47,7 +47,8 @@ def staging(tmp_path_factory):
 
 
 def _in_image(script: str, staging, timeout: int = 900, **kw):
-    return run_in_image(["bash", "-ec", script], volumes={staging: "/data/staging"}, timeout=timeout, **kw)
+    return run_in_image(["bash", "-ec", script], volumes={staging: "/data/staging"}, timeout=timeout,
+                        env={"SPARK_LOCAL_IP": "127.0.0.1"}, **kw)
 
 
 @pytest.fixture(scope="module")

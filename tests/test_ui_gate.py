@@ -141,7 +141,7 @@ def test_trigger_form_refuses_an_invalid_value_and_starts_a_valid_run(setup, tmp
     assert new[0]["conf"]["run_id"] == "ui-form-run" and new[0]["conf"]["dataset_version"] == "sample"
 
 
-def _gated_run(server, run_id: str, choice: str, reason: str, tmp_path, screenshot: str | None = None):
+def _gated_run(server, run_id: str, choice: str, reason: str, tmp_path):
     conf = {"dataset_version": "sample", "run_id": run_id, "stages": ["train"], "require_approval": True}
     log = open(tmp_path / f"dags-test-{run_id}.log", "w")
     proc = subprocess.Popen([str(BIN / "airflow"), "dags", "test", DAG_ID, "-c", json.dumps(conf)], env=server.env,
@@ -151,11 +151,6 @@ def _gated_run(server, run_id: str, choice: str, reason: str, tmp_path, screensh
                                           None), 1800, f"the approval request of {run_id}")
         assert "sample" in detail["subject"] and "Data report" in detail["body"] and "packing efficiency" in detail["body"]
         ti = detail["task_instance"]
-        if screenshot:
-            with browser_page(1400, 1000) as page:
-                page.goto(f"{server.url}/dags/{DAG_ID}/runs/{ti['dag_run_id']}/tasks/approve/required_actions",
-                          wait_until="networkidle", timeout=180_000)
-                keep_screenshot(page, screenshot, tmp_path, full_page=False)
         r = server.http.patch(
             f"{server.url}/api/v2/dags/{DAG_ID}/dagRuns/{ti['dag_run_id']}/taskInstances/approve/-1/hitlDetails",
             json={"chosen_options": [choice], "params_input": {"reason": reason}}, timeout=60)
@@ -177,8 +172,7 @@ def _approval(art, run_id: str) -> dict:
 
 def test_reject_ends_the_run_without_training_and_records_why(setup, tmp_path):
     server, art = setup
-    states, out = _gated_run(server, "gate-reject", "Reject", "near-duplicate rate too high", tmp_path,
-                             screenshot="approval-gate.png")
+    states, out = _gated_run(server, "gate-reject", "Reject", "near-duplicate rate too high", tmp_path)
     assert states["data_report"] == "success" and states["approve"] == "success", (states, out[-4000:])
     assert states["train"] == "skipped" and states["publish"] == "skipped", states
     rec = _approval(art, "gate-reject")
