@@ -37,6 +37,9 @@ def require_uri(value: str, what: str = "path") -> str:
     if scheme not in SCHEMES:
         raise ValueError(f"{what}: unsupported scheme {scheme!r} in {value!r}; use one of {', '.join(SCHEMES)}")
     parts = urlsplit(value)
+    if parts.query or parts.fragment or value.endswith(("?", "#")):
+        # urlsplit drops '?…'/'#…' from the path: the object written would not be the one named
+        raise ValueError(f"{what}: {value!r} has a query or fragment ('?' or '#'); object-store URIs take neither")
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
             raise ValueError(f"{what}: file URI {value!r} must be file:///absolute/path (no host)")

@@ -26,6 +26,7 @@ from pipeline_core.artifacts import (
 )
 from pipeline_core.config import StorageSection, load_config
 from pipeline_core.store import open_store
+from plugins.mft_airflow.run_plan import RunPlan
 
 SUMMARY = "pipeline_summary.json"
 
@@ -62,25 +63,25 @@ def _stage(uri: str, storage: StorageSection | None) -> dict[str, Any]:
             "timings": m.timings if m else None}
 
 
-def publish_model(plan: dict[str, Any], storage: StorageSection | None) -> dict[str, Any]:
-    model = require_manifest(plan["model_uri"], storage)
+def publish_model(plan: RunPlan, storage: StorageSection | None) -> dict[str, Any]:
+    model = require_manifest(plan.model_uri, storage)
     if model.kind != "model":
-        raise ArtifactError(f"{plan['model_uri']} is a {model.kind!r} artifact, not a model")
-    _check_files(plan["model_uri"], model, storage)
+        raise ArtifactError(f"{plan.model_uri} is a {model.kind!r} artifact, not a model")
+    _check_files(plan.model_uri, model, storage)
     summary = {
-        "dataset_version": plan["dataset_version"],
-        "run_id": plan["run_id"],
-        "source_uri": plan["source_uri"],
-        "enrich": _stage(plan["enriched_uri"], storage),
-        "filter": _stage(plan["train_ready_uri"], storage),
-        "train": {"run_uri": plan["run_uri"], **_losses(layout.report_uri(plan["run_uri"]), storage)},
-        "model": {"uri": plan["model_uri"], "files": len(model.files),
+        "dataset_version": plan.dataset_version,
+        "run_id": plan.run_id,
+        "source_uri": plan.source_uri,
+        "enrich": _stage(plan.enriched_uri, storage),
+        "filter": _stage(plan.train_ready_uri, storage),
+        "train": {"run_uri": plan.run_uri, **_losses(layout.report_uri(plan.run_uri), storage)},
+        "model": {"uri": plan.model_uri, "files": len(model.files),
                   "bytes": sum(f["size"] for f in model.files), "manifest_sha256": model.sha256},
     }
-    store, key = open_store(plan["run_uri"], storage)
+    store, key = open_store(plan.run_uri, storage)
     store.put_bytes(f"{key.rstrip('/')}/{SUMMARY}", json.dumps(summary, indent=2, sort_keys=True).encode())
-    write_latest(plan["models_uri"], plan["model_uri"], storage, replace=True)
-    summary["latest"] = uris.join(plan["models_uri"], "LATEST")
+    write_latest(plan.models_uri, plan.model_uri, storage, replace=True)
+    summary["latest"] = uris.join(plan.models_uri, "LATEST")
     return summary
 
 
