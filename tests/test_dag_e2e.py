@@ -135,6 +135,7 @@ def test_dags_test_local_store(home, tmp_path):
     # the typed plan went through XCom (serde names the class) and deserializes to a RunPlan
     from airflow.sdk.serde import deserialize
 
+    import plugins.mft_airflow.operators  # noqa: F401  (registers RunPlan for deserialization, as a worker does)
     from plugins.mft_airflow.run_plan import RunPlan
 
     [(xcom,)] = db_rows(home, "select value from xcom where run_id=? and task_id='resolve' and key='return_value'",

@@ -4,6 +4,10 @@ checks the model's files before `models/LATEST` moves."""
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import AssetAlias
@@ -176,3 +180,91 @@ def _capture(fn, errors):
         fn()
     except Exception as e:  # the launcher reports the non-zero exit as a task failure
         errors.append(e)
+
+
+# A "trainer" like torchrun: its rank runs in a session of its own (so a process-group kill misses
+# it) and ignores SIGTERM; both write their pids, then run until killed.
+TRAINER = r"""
+import os, signal, subprocess, sys, time
+rank = subprocess.Popen([sys.executable, "-c",
+    "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "open(os.environ['PIDS'] + '.rank', 'w').write(str(os.getpid())); time.sleep(3600)"], start_new_session=True)
+open(os.environ["PIDS"] + ".agent", "w").write(str(os.getpid()))
+print("started", flush=True)
+time.sleep(3600)
+"""
+
+# The Airflow task process: starts the launcher, then is SIGKILLed (no on_kill runs).
+TASK = r"""
+import logging, sys
+from plugins.mft_airflow.launchers import LocalTrainProcess
+LocalTrainProcess([sys.executable, "-c", sys.argv[1]], env={"PIDS": sys.argv[2], "PATH": "/usr/bin:/bin"},
+                  cwd=".", log=logging.getLogger("t"), grace_s=2).execute()
+"""
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    finally:
+        os.sched_yield()
+
+
+def test_the_trainer_tree_dies_with_a_sigkilled_task(tmp_path):
+    """Seen on a GPU: after the launcher was SIGKILLed, an orphaned rank kept training and pushing
+    checkpoints. The watchdog (child subreaper + parent-death signal) ends every descendant."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    pids = tmp_path / "pids"
+    task = subprocess.Popen([sys.executable, "-c", TASK, TRAINER, str(pids)], cwd=REPO,
+                            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    deadline = time.time() + 60
+    while not (Path(f"{pids}.rank").exists() and Path(f"{pids}.agent").exists()) and time.time() < deadline:
+        time.sleep(0.1)
+    agent, rank = int(Path(f"{pids}.agent").read_text()), int(Path(f"{pids}.rank").read_text())
+    assert _alive(agent) and _alive(rank)
+    task.send_signal(signal.SIGKILL)
+    task.wait(30)
+    deadline = time.time() + 30
+    while (_alive(agent) or _alive(rank)) and time.time() < deadline:
+        time.sleep(0.2)
+    survivors = [p for p in (agent, rank) if _alive(p)]
+    for p in survivors:  # never leave them behind, whatever the outcome
+        os.kill(p, signal.SIGKILL)
+    assert not survivors, "the trainer outlived its SIGKILLed task"
+
+
+def test_on_kill_ends_ranks_that_ignore_sigterm(tmp_path, monkeypatch):
+    import logging
+    import threading
+    import time
+
+    from plugins.mft_airflow.launchers import LocalTrainProcess
+
+    pids = tmp_path / "pids"
+    proc = LocalTrainProcess([sys.executable, "-c", TRAINER], env={"PIDS": str(pids), "PATH": "/usr/bin:/bin"},
+                             cwd=str(tmp_path), log=logging.getLogger("t"), grace_s=2)
+    errors = []
+    t = threading.Thread(target=lambda: _capture(proc.execute, errors))
+    t.start()
+    deadline = time.time() + 60
+    while not Path(f"{pids}.rank").exists() and time.time() < deadline:
+        time.sleep(0.1)
+    rank = int(Path(f"{pids}.rank").read_text())
+    proc.on_kill()
+    t.join(60)
+    assert not t.is_alive() and errors
+    deadline = time.time() + 10
+    while _alive(rank) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(rank), "a rank in its own session survived on_kill"

@@ -21,7 +21,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -174,8 +173,14 @@ class LocalTrainProcess:
         os.kill(self._proc.pid, signal.SIGTERM)
         try:
             self._proc.wait(timeout=grace + 10)
-        except subprocess.TimeoutExpired:
-            os.killpg(self._proc.pid, signal.SIGKILL)
+        except subprocess.TimeoutExpired:  # the watchdog hangs: end its tree from here
+            from plugins.mft_airflow.watchdog import descendants
+
+            for pid in [*descendants(self._proc.pid), self._proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self._proc.wait()
 
 
@@ -188,17 +193,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-def wait_for_exit(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    return False
 
 
 # ---------------------------------------------------------------------------- docker / kubernetes

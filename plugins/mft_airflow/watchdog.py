@@ -114,9 +114,14 @@ def main(argv: list[str] | None = None) -> int:
             stop["requested"] = True
             break
         time.sleep(0.2)
-    if stop["requested"]:
-        print(f"watchdog: stopping {command[0]} (pid {child.pid}) and its descendants", file=sys.stderr, flush=True)
-    end_tree(child, args.grace if stop["requested"] else min(args.grace, 10.0))
+    try:
+        if stop["requested"]:  # the task's log pipe may be gone with the task: never fail on it
+            print(f"watchdog: stopping {command[0]} (pid {child.pid}) and its descendants", file=sys.stderr,
+                  flush=True)
+    except OSError:
+        pass
+    finally:
+        end_tree(child, args.grace if stop["requested"] else min(args.grace, 10.0))
     rc = child.wait()
     return 128 + signal.SIGTERM if stop["requested"] and rc == 0 else (rc if rc >= 0 else 128 - rc)
 
