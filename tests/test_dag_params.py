@@ -170,3 +170,11 @@ def test_run_names_are_safe_path_components():
     assert safe_run_name("backfill__2026-01-01T02:00:00+00:00") == "backfill__2026-01-01T02-00-00-00-00"
     assert ".." not in safe_run_name("manual__..//..")
     assert safe_run_name("////") == "run"
+
+
+def test_store_uris_with_a_query_or_fragment_are_refused(dag, tmp_path):
+    """urlsplit would drop '?…'/'#…': the object written would not be the one named."""
+    for store in ("s3://bucket/mft?versionId=1", "s3://bucket/mft#x"):
+        roots = {"pipeline.store_uri": store, "pipeline.staging_uri": uris.qualify(tmp_path / "staging")}
+        with pytest.raises(PlanError, match="query or fragment"):
+            resolve(form(dag, {}), roots)
