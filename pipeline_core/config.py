@@ -210,6 +210,10 @@ class TrainSection(Section):
     seq_len: int = Field(1024, ge=32, le=131_072, description="Must equal the train-ready artifact's sequence length")
     micro_batch_size: int = Field(1, ge=1, le=1024)
     gradient_accumulation_steps: int = Field(4, ge=1, le=4096)
+    global_batch_size: int | None = Field(
+        None, ge=1, description="Sequences per optimizer step, fixed whatever the GPU count: gradient accumulation "
+        "= global_batch_size / (micro_batch_size x data-parallel ranks), refused when it does not divide; "
+        "None = use gradient_accumulation_steps")
     steps: int = Field(20, ge=1, description="Optimizer steps for the whole run (resumes continue to this)")
     learning_rate: float = Field(1e-4, gt=0, le=1.0)
     warmup_steps: int = Field(2, ge=1, description="Linear warm-up steps (DeepSpeed's WarmupLR needs at least 1)")
@@ -244,6 +248,21 @@ class TrainSection(Section):
     resume_across_changes: bool = Field(
         False, description="Resume a checkpoint made with other train content settings or another input (deliberately)"
     )
+
+    def accumulation_steps(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on `world_size` ranks (raises `ConfigError` naming the fields)."""
+        if world_size % self.pipeline_stages:
+            raise ConfigError(f"train.pipeline_stages={self.pipeline_stages} does not divide the world size "
+                              f"{world_size} (world size = data parallel x pipeline stages)")
+        if self.global_batch_size is None:
+            return self.gradient_accumulation_steps
+        per_step = self.micro_batch_size * (world_size // self.pipeline_stages)
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch_size} is not a multiple of train.micro_batch_size "
+                f"({self.micro_batch_size}) x data-parallel ranks ({world_size // self.pipeline_stages}) = {per_step} "
+                f"on {world_size} ranks; choose a multiple of {per_step} or change micro_batch_size")
+        return self.global_batch_size // per_step
 
     @field_validator("partition_method")
     @classmethod

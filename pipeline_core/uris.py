@@ -43,6 +43,9 @@ def require_uri(value: str, what: str = "path") -> str:
             "(rename the path, or percent-encode the character as %3F / %23)"
         )
     parts = urlsplit(value)
+    if parts.query or parts.fragment or value.endswith(("?", "#")):
+        # urlsplit drops '?…'/'#…' from the path: the object written would not be the one named
+        raise ValueError(f"{what}: {value!r} has a query or fragment ('?' or '#'); object-store URIs take neither")
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
             raise ValueError(f"{what}: file URI {value!r} must be file:///absolute/path (no host)")

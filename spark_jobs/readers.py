@@ -37,12 +37,24 @@ EXTENSIONS = {"parquet": ("parquet",), "jsonl": ("jsonl", "json")}
 
 
 def glob_files(spark: SparkSession, pattern: str) -> list[str]:
-    """Files matching a Hadoop glob on any file system Spark can reach (file://, s3a://, hdfs://)."""
-    jvm = spark.sparkContext._jvm
-    path = jvm.org.apache.hadoop.fs.Path(pattern)
-    fs = path.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-    found = fs.globStatus(path) or []
-    return sorted(str(s.getPath().toString()) for s in found if s.isFile())
+    """Files matching a Hadoop glob on any file system Spark can reach (file://, s3a://, hdfs://),
+    listed by Spark's own file index (no py4j `_jvm`, so it works under Spark Connect too)."""
+    from pyspark.errors import AnalysisException
+
+    parent, _, name = pattern.rstrip("/").rpartition("/")
+    reader = spark.read.format("binaryFile")
+    if not any(c in parent for c in "*?[{"):
+        # list the concrete directory with a name filter: a glob path that matches nothing makes
+        # Spark log a stack trace while it looks for streaming metadata
+        reader, pattern = reader.option("pathGlobFilter", name).option("recursiveFileLookup", "false"), parent
+    try:
+        files = reader.load(pattern).inputFiles()
+        return sorted(f for f in files if f.rpartition("/")[0].rstrip("/") == parent.rstrip("/")
+                      or any(c in parent for c in "*?[{"))
+    except AnalysisException as e:  # PATH_NOT_FOUND: nothing matches
+        if "PATH_NOT_FOUND" in str(e) or "Path does not exist" in str(e):
+            return []
+        raise
 
 
 def find_input_files(spark: SparkSession, input_uri: str, splits: list[str], fmt: str) -> tuple[str, list[str]]:
@@ -101,12 +113,16 @@ def download_hub_dataset(input_uri: str, splits: list[str], dest: Path) -> str:
 
 
 def spark_reads_s3(spark: SparkSession) -> bool:
-    """Whether this Spark has Hadoop's s3a connector (hadoop-aws) on its class path."""
-    try:
-        spark.sparkContext._jvm.java.lang.Class.forName("org.apache.hadoop.fs.s3a.S3AFileSystem")
-        return True
-    except Exception:  # py4j wraps ClassNotFoundException
-        return False
+    """Whether this Spark has Hadoop's s3a connector (hadoop-aws): in its jars directory or in the
+    session's jars/packages conf (read through the session, so Spark Connect works too)."""
+    import glob
+    import os
+
+    import pyspark
+
+    jars = f"{spark.conf.get('spark.jars', '')},{spark.conf.get('spark.jars.packages', '')}"
+    home = os.environ.get("SPARK_HOME") or os.path.dirname(pyspark.__file__)
+    return "hadoop-aws" in jars or bool(glob.glob(os.path.join(home, "jars", "hadoop-aws-*.jar")))
 
 
 def download_store_prefix(input_uri: str, splits: list[str], dest: Path, storage: StorageSection | None) -> str:

@@ -53,3 +53,56 @@ def airflow(args: list[str], env: dict[str, str], timeout: float = 600, check: b
 def init_db(env: dict[str, str]) -> None:
     airflow(["db", "migrate"], env, timeout=300)
     airflow(["pools", "set", "gpu", "1", "concurrent training runs"], env, timeout=120)
+
+
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+class PostgresCluster:
+    """A throw-away PostgreSQL cluster on a loopback port (`initdb` + `pg_ctl`), the metadata
+    database of the multi-component tests: Airflow supports one SQLite file for one process only.
+    As root, the server runs as `nobody` (PostgreSQL refuses to run as root)."""
+
+    def __init__(self, port: int):
+        import tempfile
+
+        self.port = port
+        # not under pytest's tmp dir: its 0700 parents would lock the unprivileged server out
+        self.root = Path(tempfile.mkdtemp(prefix="mft-pg-"))
+        self.root.chmod(0o755)
+        self.data, self.log = self.root / "data", self.root / "server.log"
+        self.url = f"postgresql+psycopg2://airflow@127.0.0.1:{port}/airflow"
+
+    def _run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        cmd = [str(PG_BIN / args[0]), *args[1:]]
+        if os.geteuid() == 0:
+            cmd = ["runuser", "-u", "nobody", "--", *cmd]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=True, cwd=self.root)
+
+    def start(self) -> PostgresCluster:
+        if os.geteuid() == 0:
+            import pwd
+
+            nobody = pwd.getpwnam("nobody")
+            for p in (self.root,):
+                os.chown(p, nobody.pw_uid, nobody.pw_gid)
+        self._run("initdb", "-D", str(self.data), "-U", "airflow", "--auth=trust", "-E", "UTF8", "--no-sync")
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "start", "-o",
+                  f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories='{self.root}' "
+                  "-c fsync=off -c max_connections=200")
+        import psycopg
+
+        with psycopg.connect(host="127.0.0.1", port=self.port, user="airflow", dbname="postgres",
+                             autocommit=True) as conn:
+            conn.execute("CREATE DATABASE airflow")
+        return self
+
+    def stop(self) -> None:
+        import shutil
+
+        try:
+            self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
+        except subprocess.CalledProcessError:
+            pass
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)

@@ -1,5 +1,7 @@
 """The DAG under a real Airflow: API server, scheduler (LocalExecutor) and DAG processor on
-loopback, SQLite, SimpleAuthManager with a known user.
+loopback, on a throw-away PostgreSQL cluster as production runs it (several Airflow components on
+one SQLite file is unsupported and flaked with "database is locked"), SimpleAuthManager with a
+known user.
 
 - a manual trigger the way the UI does it: an authenticated POST of a conf to the REST API, the
   run waited for, its task states read back; unauthenticated requests are refused;
@@ -21,11 +23,14 @@ import pyarrow.parquet as pq
 import pytest
 import requests
 import yaml
+from airflow.sdk.serde import deserialize
 
 from pipeline_core import uris
 from pipeline_core.artifacts import read_manifest, verify_artifact
+from plugins.mft_airflow.operators import StageResult  # noqa: F401  (registers the plan for deserialization)
+from plugins.mft_airflow.run_plan import RunPlan
 from tests.conftest import free_port
-from tests.dag_helpers import BIN, DAG_ID, REPO, airflow, airflow_env, init_db
+from tests.dag_helpers import BIN, DAG_ID, REPO, PostgresCluster, airflow, airflow_env, init_db
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # whole pipeline runs on 2 shared cores
 
@@ -34,7 +39,7 @@ VIEWER, VIEWER_PASSWORD = "watcher", "view-only-pw"
 
 
 class AirflowStack:
-    def __init__(self, root: Path, base_config: Path):
+    def __init__(self, root: Path, base_config: Path, database_url: str):
         self.root = root
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -59,6 +64,7 @@ class AirflowStack:
             "MFT_DEPLOY__RETRIES": "0",
             "MFT_DEPLOY__SPARK_CONF": json.dumps({"spark.sql.shuffle.partitions": "2", "spark.ui.enabled": "false"}),
             "MFT_CONFIG": str(base_config),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": database_url,
         })
         self.procs: list[subprocess.Popen] = []
 
@@ -107,7 +113,16 @@ class AirflowStack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+def postgres():
+    pg = PostgresCluster(free_port()).start()
+    try:
+        yield pg
+    finally:
+        pg.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, postgres):
     root = tmp_path_factory.mktemp("airflow_stack")
     src = root / "source"
     subprocess.run([str(BIN / "python"), "-m", "pipeline_core.sample_data", "--output", str(src), "--rows", "40",
@@ -118,7 +133,7 @@ def stack(tmp_path_factory):
                      "staging_uri": uris.qualify(root / "staging")},
         "enrich": {"shuffle_partitions": 2},
     }))
-    s = AirflowStack(root, base)
+    s = AirflowStack(root, base, postgres.url)
     s.source_rows = sum(pq.read_metadata(f).num_rows for f in (src / "data").glob("*.parquet"))
     s.start()
     try:
@@ -196,11 +211,11 @@ def test_rest_trigger_as_authenticated_user(stack):
     # the run's plan is readable through the API too, and the enriched artifact is committed
     x = api.get(f"{stack.url}/api/v2/dags/{DAG_ID}/dagRuns/ui-trigger-1/taskInstances/resolve/xcomEntries/"
                 "return_value", timeout=10)
-    plan = x.json()["value"]
-    plan = json.loads(plan) if isinstance(plan, str) else plan
-    assert plan["dataset_version"] == "ui-v1"
-    assert yaml.safe_load(open(plan["config_file"]))["enrich"]["relevance_threshold"] == 0.25
-    m = read_manifest(plan["enriched_uri"])
+    value = x.json()["value"]
+    plan = deserialize(json.loads(value) if isinstance(value, str) else value)  # the typed plan, through XCom
+    assert isinstance(plan, RunPlan) and plan.dataset_version == "ui-v1"
+    assert yaml.safe_load(open(plan.config_file))["enrich"]["relevance_threshold"] == 0.25
+    m = read_manifest(plan.enriched_uri)
     assert m is not None and m.counts["in"] == stack.source_rows
 
 

@@ -33,7 +33,7 @@ import torch
 
 from pipeline_core import layout, uris
 from pipeline_core.artifacts import fetch_artifact, publish_artifact, read_manifest
-from pipeline_core.config import PROJECT_ROOT, Config, load_config
+from pipeline_core.config import PROJECT_ROOT, Config, ConfigError, load_config
 from training import checkpoints as ckpt
 from training.data import COLUMNS, MicroBatches, ShardSet, columns_for, split_files
 from training.lease import RunLease, attempt_id
@@ -140,6 +140,10 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
     if art_seq is not None and int(art_seq) != t.seq_len:
         raise TrainConfigError(f"train.seq_len={t.seq_len} but the input artifact is packed to seq_len={art_seq}")
     dp = world_size // t.pipeline_stages
+    try:  # train.global_batch_size fixes sequences per step: derive accumulation for this world size
+        t.gradient_accumulation_steps = t.accumulation_steps(world_size)
+    except ConfigError as e:
+        raise TrainConfigError(str(e)) from None
     # per attempt: a zombie attempt and its retry never share (or wipe) each other's files
     staging = uris.to_local_path(layout.staging_dir(cfg, "runs", run_id)) / "attempts" / attempt_id()
     return Plan(cfg, input_uri, run_uri, run_id, world_size, t.pipeline_stages, dp, hf_config, base_config,

@@ -22,15 +22,17 @@ from airflow.sdk import BaseOperator, BaseOperatorLink
 from airflow.sdk.bases.skipmixin import SkipMixin
 from airflow.sdk.exceptions import AirflowSkipException
 
+from plugins.mft_airflow.run_plan import RunPlan
+
 APPROVAL_RECORD = "approval.json"
 REASON = "reason"
 REPORT_TASK_ID = "data_report"
 
 
-def _plan(context: Any) -> dict[str, Any]:
-    from plugins.mft_airflow.operators import _plan as plan_of
+def _plan(context: Any) -> RunPlan:
+    from plugins.mft_airflow.operators import pull_plan
 
-    return plan_of(context)
+    return pull_plan(context)
 
 
 class DataReportLink(BaseOperatorLink):
@@ -56,19 +58,19 @@ class DataReportOperator(BaseOperator):
 
         plan = _plan(context)
         storage = load_plan_config(plan).storage
-        if "filter" not in plan["stages"] and read_manifest(plan["train_ready_uri"], storage) is None:
-            raise AirflowSkipException(f"no train-ready artifact at {plan['train_ready_uri']} to report on")
-        m = build(plan["train_ready_uri"], storage=storage)
+        if not plan.runs("filter") and read_manifest(plan.train_ready_uri, storage) is None:
+            raise AirflowSkipException(f"no train-ready artifact at {plan.train_ready_uri} to report on")
+        m = build(plan.train_ready_uri, storage=storage)
         out = {"uri": m.uri, "page": report_page_uri(m.uri), "headline": m.extra.get("headline")}
         self.log.info("data report: %s", out["page"])
         return out
 
 
-def gate_text(plan: dict[str, Any], report: dict[str, Any] | None) -> tuple[str, str]:
+def gate_text(plan: RunPlan, report: dict[str, Any] | None) -> tuple[str, str]:
     """(subject, Markdown body) of the approval request."""
-    subject = f"Train {plan['run_id']} on dataset {plan['dataset_version']}?"
+    subject = f"Train {plan.run_id} on dataset {plan.dataset_version}?"
     if not report:
-        return subject, f"No data report was committed for `{plan['train_ready_uri']}`."
+        return subject, f"No data report was committed for `{plan.train_ready_uri}`."
     h = report.get("headline") or {}
     rejected = ", ".join(f"{k} {v}" for k, v in sorted((h.get("rejected") or {}).items())) or "none"
     tokens = ", ".join(f"{k} {v:,}" for k, v in sorted((h.get("tokens") or {}).items()))
@@ -83,7 +85,7 @@ def gate_text(plan: dict[str, Any], report: dict[str, Any] | None) -> tuple[str,
         f"| val documents | {h.get('val_documents')} |",
         f"| packing efficiency | {eff:.1%} |" if isinstance(eff, float) else "| packing efficiency | n/a |",
         "",
-        f"Approve to train `{plan['run_id']}` on `{plan['train_ready_uri']}`; Reject ends the run without "
+        f"Approve to train `{plan.run_id}` on `{plan.train_ready_uri}`; Reject ends the run without "
         "training (give the reason).",
     ])
     return subject, body
@@ -94,7 +96,7 @@ class ApprovalGateOperator(BaseOperator, SkipMixin):
 
     ui_color = "#fde2e2"
 
-    def _approval(self, plan: dict[str, Any], report: dict[str, Any] | None):
+    def _approval(self, plan: RunPlan, report: dict[str, Any] | None):
         from airflow.providers.standard.operators.hitl import ApprovalOperator
         from airflow.sdk import Param
 
@@ -111,7 +113,7 @@ class ApprovalGateOperator(BaseOperator, SkipMixin):
         from plugins.mft_airflow.plan import load_plan_config
 
         plan = _plan(context)
-        if "train" not in plan["stages"]:
+        if not plan.runs("train"):
             raise AirflowSkipException("no training in this run; nothing to approve")
         if not load_plan_config(plan).release.require_approval:
             raise AirflowSkipException("release.require_approval is off: training needs no approval")
@@ -124,7 +126,7 @@ class ApprovalGateOperator(BaseOperator, SkipMixin):
         approval = self._approval(plan, self._report(context))
         chosen = (event.get("chosen_options") or [None])[0]
         record = approval_record(plan, event, approved=chosen == approval.APPROVE)
-        write_approval(plan["run_uri"], record, load_plan_config(plan).storage)
+        write_approval(plan.run_uri, record, load_plan_config(plan).storage)
         self.log.info("approval: %s", json.dumps(record))
         approval.execute_complete(context, event)  # validates the response like the provider does
         if not record["approved"]:
@@ -135,7 +137,7 @@ class ApprovalGateOperator(BaseOperator, SkipMixin):
         return record
 
 
-def approval_record(plan: dict[str, Any], event: dict[str, Any], approved: bool) -> dict[str, Any]:
+def approval_record(plan: RunPlan, event: dict[str, Any], approved: bool) -> dict[str, Any]:
     params = event.get("params_input") or {}
     reason = params.get(REASON)
     if isinstance(reason, dict):  # serialized Param form
@@ -143,8 +145,8 @@ def approval_record(plan: dict[str, Any], event: dict[str, Any], approved: bool)
     at = event.get("responded_at")
     return {"approved": approved, "decision": "approved" if approved else "rejected", "reason": reason or "",
             "by": event.get("responded_by_user"), "at": at.isoformat() if isinstance(at, datetime) else at,
-            "timed_out": bool(event.get("timedout")), "dataset_version": plan["dataset_version"],
-            "train_ready_uri": plan["train_ready_uri"]}
+            "timed_out": bool(event.get("timedout")), "dataset_version": plan.dataset_version,
+            "train_ready_uri": plan.train_ready_uri}
 
 
 def write_approval(run_uri: str, record: dict[str, Any], storage: Any) -> None:

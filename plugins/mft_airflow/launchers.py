@@ -1,14 +1,17 @@
-"""Training launchers: the same entry point (`torchrun -m training.train --input --output --config`)
-run three ways, chosen per run by the `launcher` param.
+"""What the training launchers run and with which environment: pure spec builders, no provider import.
 
-- local: a torchrun subprocess on the worker (CPU ranks or the worker's GPUs): the embedded default;
-- docker: `DockerOperator` with GPU `DeviceRequest`s, shared volumes bind-mounted at the same
-  path (so `file://` URIs mean the same inside), a large /dev/shm for NCCL, credentials only in
-  `private_environment` (never rendered, never logged);
-- kubernetes: `KubernetesPodOperator` with GPU resource limits, the staging PVC, a memory-backed
-  /dev/shm, credentials from a Kubernetes Secret.
+The trainer is always the same entry point (`-m training.train --input --output --config`) under a
+distributed agent:
+- one node: `torchrun --standalone`;
+- several nodes with a rendezvous: one `torchrun --nnodes N --node-rank R --rdzv-backend c10d
+  --rdzv-endpoint host:port --rdzv-id <run_id>` agent per node (docker: one container per node;
+  kubernetes: one pod per index of an indexed Job, node rank = the pod's completion index);
+- several nodes over SSH: `deepspeed --hostfile H` (local launcher only), which starts the others.
 
-Provider imports happen inside the builders, which run at execute time, never at DAG parse time.
+The operators in `operators.py` put these specs into the provider operators they subclass.
+Least secret: the local launcher passes an allowlisted environment (an Airflow worker's holds the
+metadata DB URL, the Fernet key, the JWT secret); containers get store credentials as a mounted
+file (docker) or a Kubernetes Secret, never in their visible config.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline_core import uris
+from plugins.mft_airflow.run_plan import RunPlan
 from plugins.mft_airflow.settings import DeploySettings
 
 if TYPE_CHECKING:
@@ -30,32 +34,33 @@ if TYPE_CHECKING:
 
 _ERROR_LINE = re.compile(r"\b\w*(Error|Exception)\b:")
 CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+# what a trainer needs from the worker's environment, and nothing else (names or prefixes)
+ENV_ALLOWLIST = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV",
+                 "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "PYTHONUNBUFFERED",
+                 "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "AWS_CA_BUNDLE", "AWS_DEFAULT_REGION", "AWS_REGION",
+                 "LD_LIBRARY_PATH")
+ENV_ALLOWED_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "CUDA_", "NCCL_", "NVIDIA_", "DS_", "LC_", "GLOO_")
+CONTAINER_CREDENTIALS = "/run/secrets/aws_credentials"
 
 
-def train_args(plan: dict[str, Any]) -> list[str]:
+def train_args(plan: RunPlan) -> list[str]:
     """The trainer's own arguments (the stage contract: --input --output --config)."""
-    return ["--input", plan["train_ready_uri"], "--output", plan["run_uri"], "--config", plan["config_file"]]
+    return ["--input", plan.train_ready_uri, "--output", plan.run_uri, "--config", plan.config_file]
 
 
-def torchrun_command(plan: dict[str, Any], settings: DeploySettings, nproc: int, torchrun: list[str]) -> list[str]:
-    return [*torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", settings.train_module, *train_args(plan)]
-
-
-def _shared_dirs(plan: dict[str, Any], cfg: Config) -> list[str]:
-    """Local directories a container must see at the same path: staging, and a file:// store."""
-    dirs = [str(uris.to_local_path(cfg.pipeline.staging_uri))]
-    if uris.is_local(cfg.pipeline.store_uri):
-        dirs.append(str(uris.to_local_path(cfg.pipeline.store_uri)))
-    return dirs
-
-
-def _container_env(cfg: Config) -> dict[str, str]:
-    """Non-secret environment for a container. An Airflow connection does not exist in the
-    container, so the trainer there gets credentials as environment instead of `aws_conn_id`."""
-    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    if cfg.storage.aws_conn_id:
-        env["MFT__STORAGE__AWS_CONN_ID"] = ""
-    return env
+def agent_argv(plan: RunPlan, settings: DeploySettings, *, launcher: list[str], nproc: int,
+               node_rank: int | str | None = None, rdzv_endpoint: str | None = None) -> list[str]:
+    """The distributed agent's argv: standalone, rendezvous (one agent per node) or a hostfile."""
+    module = ["-m", settings.train_module, *train_args(plan)]
+    if settings.hostfile:
+        return ["deepspeed", f"--hostfile={settings.hostfile}", f"--num_nodes={settings.nnodes}",
+                f"--num_gpus={nproc}", "--module", settings.train_module, *train_args(plan)]
+    if settings.nnodes == 1:
+        return [*launcher, "--standalone", f"--nproc-per-node={nproc}", *module]
+    return [*launcher, f"--nnodes={settings.nnodes}", f"--nproc-per-node={nproc}",
+            f"--node-rank={settings.node_rank if node_rank is None else node_rank}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint or settings.rdzv_endpoint}",
+            f"--rdzv-id={plan.run_id}", *module]
 
 
 def store_credentials(cfg: Config) -> dict[str, str]:
@@ -74,27 +79,80 @@ def store_credentials(cfg: Config) -> dict[str, str]:
     return {k: os.environ[k] for k in CREDENTIAL_VARS if os.environ.get(k)}
 
 
+def credentials_ini(creds: Mapping[str, str]) -> str:
+    """An AWS shared-credentials file (what boto3 reads through AWS_SHARED_CREDENTIALS_FILE)."""
+    lines = ["[default]", f"aws_access_key_id = {creds['AWS_ACCESS_KEY_ID']}",
+             f"aws_secret_access_key = {creds['AWS_SECRET_ACCESS_KEY']}"]
+    if creds.get("AWS_SESSION_TOKEN"):
+        lines.append(f"aws_session_token = {creds['AWS_SESSION_TOKEN']}")
+    return "\n".join(lines) + "\n"
+
+
+def trainer_env(cfg: Config) -> dict[str, str]:
+    """Non-secret settings every trainer gets. No Airflow connection exists where the trainer runs
+    (a container, or a subprocess outside the Task SDK), so it reads credentials itself."""
+    env = {"TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    if cfg.storage.aws_conn_id:
+        env["MFT__STORAGE__AWS_CONN_ID"] = ""
+    return env
+
+
+def shared_dirs(cfg: Config) -> list[str]:
+    """Local directories a container must see at the same path: staging, and a file:// store."""
+    dirs = [str(uris.to_local_path(cfg.pipeline.staging_uri))]
+    if uris.is_local(cfg.pipeline.store_uri):
+        dirs.append(str(uris.to_local_path(cfg.pipeline.store_uri)))
+    return dirs
+
+
+def hub_cache_env(cfg: Config) -> dict[str, str]:
+    """Containers resolve hub model ids from a cache on the shared staging volume, filled before the
+    trainer goes offline (`training.prefetch`-style: `huggingface_hub.snapshot_download`)."""
+    return {"HF_HOME": str(uris.to_local_path(cfg.pipeline.staging_uri) / "hf-home")}
+
+
 # --------------------------------------------------------------------------------------- local
 
 
-class LocalTrainProcess:
-    """torchrun as a subprocess of the worker, its output streamed into the task log. It runs in
-    its own process group so that `on_kill` (task timeout, mark-failed) stops every rank."""
+def local_env(cfg: Config, settings: DeploySettings, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The local trainer's environment: the allowlist of the worker's own, plus credentials."""
+    environ = os.environ if environ is None else environ
+    allowed = set(ENV_ALLOWLIST) | set(settings.env_passthrough)
+    env = {k: v for k, v in environ.items() if k in allowed or k.startswith(ENV_ALLOWED_PREFIXES)}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(trainer_env(cfg))
+    env.update(store_credentials(cfg))
+    return env
 
-    def __init__(self, command: list[str], env: dict[str, str], cwd: str, log: Any):
-        self.command, self.env, self.cwd, self.log = command, env, cwd, log
+
+def local_command(plan: RunPlan, settings: DeploySettings) -> list[str]:
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    return agent_argv(plan, settings, launcher=torchrun, nproc=settings.local_nproc_per_node)
+
+
+class LocalTrainProcess:
+    """The agent as a subprocess of the task, output streamed into the task log, under a watchdog
+    (`watchdog.py`): the watchdog is a child subreaper with a parent-death signal, so every rank
+    dies with the task even when the task is SIGKILLed, and `on_kill` ends the whole tree."""
+
+    def __init__(self, command: list[str], env: dict[str, str], cwd: str, log: Any, grace_s: float = 30):
+        self.command, self.env, self.cwd, self.log, self.grace_s = command, env, cwd, log, grace_s
         self._proc: subprocess.Popen[str] | None = None
+
+    def watched_command(self) -> list[str]:
+        watchdog = str(Path(__file__).with_name("watchdog.py"))
+        return [sys.executable, watchdog, "--parent", str(os.getpid()), "--grace", str(self.grace_s), "--",
+                *self.command]
 
     def execute(self, context: Any = None) -> None:
         self.log.info("launching: %s", " ".join(self.command))
         self._proc = subprocess.Popen(
-            self.command, cwd=self.cwd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, bufsize=1, start_new_session=True,
+            self.watched_command(), cwd=self.cwd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, bufsize=1, start_new_session=True, preexec_fn=_die_with_parent,
         )
         tail: list[str] = []
         errors: list[str] = []  # torchrun's own summary hides the ranks' exceptions: keep them
-        if self._proc.stdout is None:  # stdout=PIPE always gives one; an explicit check survives -O
-            raise RuntimeError("training launcher: no output pipe from the torchrun process")
+        assert self._proc.stdout is not None
         for line in self._proc.stdout:
             line = line.rstrip()
             self.log.info("%s", line)
@@ -106,147 +164,47 @@ class LocalTrainProcess:
             raise RuntimeError(f"training exited with status {rc}; errors:\n" + "\n".join(errors)
                                + "\nlast lines:\n" + "\n".join(tail))
 
-    def on_kill(self, grace_s: float = 30) -> None:
-        """SIGTERM first: torchrun forwards it to its ranks and waits for them. Then SIGKILL whatever
-        is left after `grace_s`. The ranks run in their own sessions (torchrun starts them so) and
-        may have children of their own, which a process-group signal does not reach and which
-        would keep the output pipe, the GPUs and the lease: every descendant seen is signalled."""
-        import psutil
-
+    def on_kill(self, grace_s: float | None = None) -> None:
+        """SIGTERM the watchdog: it forwards to the agent (which stops its ranks) and SIGKILLs every
+        remaining descendant after its grace period; SIGKILL the watchdog's group if it hangs."""
         if self._proc is None or self._proc.poll() is not None:
             return
-        tree = _descendants(self._proc.pid)
-        os.killpg(self._proc.pid, signal.SIGTERM)
-        _signal_all(tree, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+        grace = self.grace_s if grace_s is None else grace_s
+        os.kill(self._proc.pid, signal.SIGTERM)
         try:
-            self._proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        _, alive = psutil.wait_procs(tree, timeout=max(0.0, deadline - time.monotonic()))
-        if self._proc.poll() is None or alive:
-            tree = list({p.pid: p for p in tree + _descendants(self._proc.pid)}.values())
-            if self._proc.poll() is None:
-                os.killpg(self._proc.pid, signal.SIGKILL)
-            _signal_all(tree, signal.SIGKILL)
+            self._proc.wait(timeout=grace + 10)
+        except subprocess.TimeoutExpired:  # the watchdog hangs: end its tree from here
+            from plugins.mft_airflow.watchdog import descendants
+
+            for pid in [*descendants(self._proc.pid), self._proc.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self._proc.wait()
-            psutil.wait_procs(tree, timeout=10)
 
 
-def _descendants(pid: int) -> list[Any]:
-    """Every live descendant of `pid` (psutil.Process objects: a reused pid is not mistaken for it)."""
-    import psutil
-
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the task process dies (Linux); the watchdog turns it
+    into the end of every descendant."""
     try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
-def _signal_all(procs: list[Any], sig: int) -> None:
-    import psutil
-
-    for p in procs:
-        try:
-            p.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
+# ---------------------------------------------------------------------------- docker / kubernetes
 
 
-def local_launcher(plan: dict[str, Any], cfg: Config, settings: DeploySettings, log: Any) -> LocalTrainProcess:
-    torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    command = torchrun_command(plan, settings, settings.local_nproc_per_node, torchrun)
-    env = dict(os.environ)
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    # the trainer reads the resolved file; nothing from the worker's MFT__ env may change it
-    for k in [k for k in env if k.startswith("MFT__")]:
-        del env[k]
-    cwd = str(Path(__file__).resolve().parents[2])
-    return LocalTrainProcess(command, env, cwd, log)
+def container_command(plan: RunPlan, settings: DeploySettings) -> list[str]:
+    return agent_argv(plan, settings, launcher=["torchrun"], nproc=settings.procs_per_node())
 
 
-# -------------------------------------------------------------------------------------- docker
-
-
-def docker_operator(plan: dict[str, Any], cfg: Config, settings: DeploySettings, task_id: str) -> Any:
-    from airflow.providers.docker.operators.docker import DockerOperator
-    from docker.types import DeviceRequest, Mount
-
-    mounts = [Mount(target=d, source=d, type="bind") for d in _shared_dirs(plan, cfg)]
-    if settings.shared_volume:
-        # the host directory holding the staging tree may live elsewhere on the host
-        mounts[0] = Mount(target=mounts[0]["Target"], source=settings.shared_volume, type="bind")
-    gpus = [DeviceRequest(count=settings.gpus, capabilities=[["gpu"]])] if settings.gpus else None
-    return DockerOperator(
-        task_id=task_id,
-        image=settings.image,
-        command=torchrun_command(plan, settings, settings.gpus or settings.local_nproc_per_node, ["torchrun"]),
-        environment=_container_env(cfg),
-        private_environment=store_credentials(cfg),
-        device_requests=gpus,
-        mounts=mounts,
-        shm_size=settings.shm_size_gb * 1024**3,
-        docker_url=settings.docker_url,
-        network_mode=settings.docker_network,
-        auto_remove="success",
-        mount_tmp_dir=False,
-        tty=False,
-        container_name=None,
-    )
-
-
-# ---------------------------------------------------------------------------------- kubernetes
-
-
-def kubernetes_operator(plan: dict[str, Any], cfg: Config, settings: DeploySettings, task_id: str) -> Any:
-    from airflow.providers.cncf.kubernetes.operators.pod import KubernetesPodOperator
-    from kubernetes.client import models as k8s
-
-    if not uris.is_local(cfg.pipeline.store_uri) and cfg.storage.aws_conn_id and not settings.s3_secret:
-        raise ValueError("kubernetes launcher: storage.aws_conn_id cannot reach a pod; set MFT_DEPLOY__S3_SECRET "
-                         "to a Kubernetes Secret holding AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
-    staging = str(uris.to_local_path(cfg.pipeline.staging_uri))
-    volumes = [k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(
-        medium="Memory", size_limit=f"{settings.shm_size_gb}Gi"))]
-    mounts = [k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm")]
-    if settings.staging_pvc:
-        volumes.append(k8s.V1Volume(name="staging", persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
-            claim_name=settings.staging_pvc)))
-        mounts.append(k8s.V1VolumeMount(name="staging", mount_path=staging))
-    gpu = {settings.gpu_resource: str(settings.gpus)} if settings.gpus else {}
-    env_from = ([k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=settings.s3_secret))]
-                if settings.s3_secret else None)
-    argv = torchrun_command(plan, settings, settings.gpus or settings.local_nproc_per_node, ["torchrun"])
-    return KubernetesPodOperator(
-        task_id=task_id,
-        name=f"mft-train-{plan['run_id']}".lower().replace("_", "-").replace(".", "-")[:60].rstrip("-"),
-        namespace=settings.namespace,
-        image=settings.image,
-        cmds=argv[:1],
-        arguments=argv[1:],
-        env_vars={**_container_env(cfg)},
-        env_from=env_from,
-        container_resources=k8s.V1ResourceRequirements(limits=gpu or None, requests=gpu or None),
-        volumes=volumes,
-        volume_mounts=mounts,
-        node_selector=settings.node_selector or None,
-        tolerations=[k8s.V1Toleration(**t) for t in settings.tolerations] or None,
-        service_account_name=settings.service_account,
-        labels={"app": "mistral-finetune", "dataset-version": plan["dataset_version"][:63]},
-        get_logs=True,
-        on_finish_action="delete_succeeded_pod",
-        startup_timeout_seconds=1800,
-    )
-
-
-def build_launcher(plan: dict[str, Any], cfg: Config, settings: DeploySettings, task_id: str, log: Any) -> Any:
-    """Something with `execute(context)` and `on_kill()` that runs the training stage."""
-    launcher = plan["launcher"]
-    if launcher == "local":
-        return local_launcher(plan, cfg, settings, log)
-    if launcher == "docker":
-        return docker_operator(plan, cfg, settings, f"{task_id}-docker")
-    if launcher == "kubernetes":
-        return kubernetes_operator(plan, cfg, settings, f"{task_id}-pod")
-    raise ValueError(f"launcher: unknown launcher {launcher!r}")
+def kubernetes_command(plan: RunPlan, settings: DeploySettings, job_name: str, service: str) -> list[str]:
+    """Every pod of the indexed Job runs one agent; the index-0 pod hosts the rendezvous, reached by
+    its stable DNS name through the headless Service; the node rank is the completion index."""
+    endpoint = f"{job_name}-0.{service}:{settings.rdzv_port}"
+    return agent_argv(plan, settings, launcher=["torchrun"], nproc=settings.procs_per_node(),
+                      node_rank="$(JOB_COMPLETION_INDEX)", rdzv_endpoint=endpoint)

@@ -1,97 +1,157 @@
-"""The DAG's operators. Each one orchestrates; the work happens in the stage commands.
+"""The DAG's stage operators, provider style: each one IS the provider operator that runs its stage.
 
-Every stage task is idempotent: it first looks for its committed artifact (a manifest) and, if
-there is one, does nothing but report it; otherwise it launches the stage command, which
-commits the artifact, and then checks that it did. A retried training run has the same run id,
-so the trainer resumes from the run's newest checkpoint.
+- `SparkStageOperator` is a `SparkSubmitOperator`: its application arguments are templates over
+  the `RunPlan` in XCom (the Rendered Template tab shows the real URIs), and the provider's own
+  `execute` / `on_kill` submit and stop the job (with OpenLineage parent-job info injected).
+- `TrainOperator` (local: torchrun on the worker, through `LocalTrainHook`), `DockerTrainOperator`
+  (a `DockerOperator`) and `KubernetesTrainOperator` (a deferrable `KubernetesJobOperator`, one pod
+  per node of an indexed Job) run the same trainer; `train_operator` picks the class the
+  deployment's launcher names.
+
+Every stage is idempotent: a committed artifact (manifest present) is reported, never rebuilt; a
+retried training run keeps its run id and resumes from its newest checkpoint. Each stage emits an
+asset event with its row/token counts and OpenLineage inputs/outputs from the plan's URIs.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import Asset, AssetAlias, BaseOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+from airflow.sdk.serde import allow_class
+from pydantic import BaseModel, ConfigDict
 
+from plugins.mft_airflow.run_plan import RunPlan, Stage
 from plugins.mft_airflow.settings import DeploySettings
 
 log = logging.getLogger(__name__)
 PLAN_TASK_ID = "resolve"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _plan(context: Any, task_id: str = PLAN_TASK_ID) -> dict[str, Any]:
-    plan = context["ti"].xcom_pull(task_ids=task_id)
+class StageResult(BaseModel):
+    """What a stage task returns (XCom): the artifact it committed or reused."""
+
+    model_config = ConfigDict(frozen=True)
+
+    uri: str
+    kind: str
+    counts: dict[str, Any]
+    reused: bool
+    manifest_sha256: str
+
+
+allow_class(RunPlan)
+allow_class(StageResult)
+
+
+def plan_field(name: str) -> str:
+    """A Jinja template rendering one field of the run's plan."""
+    if name not in RunPlan.model_fields:
+        raise ValueError(f"RunPlan has no field {name!r}")
+    return "{{ ti.xcom_pull(task_ids='" + PLAN_TASK_ID + "')." + name + " }}"
+
+
+# The plan as templates: spec builders fill argv with these; Airflow renders them per run.
+TEMPLATED_PLAN = RunPlan.model_construct(**{n: plan_field(n) for n, f in RunPlan.model_fields.items()
+                                            if f.annotation in ("str", str)})
+
+
+def pull_plan(context: Any) -> RunPlan:
+    plan = context["ti"].xcom_pull(task_ids=PLAN_TASK_ID)
     if not plan:
-        raise AirflowFailException(f"no plan in XCom of task {task_id!r}; it must run first")
-    return plan
+        raise AirflowFailException(f"no plan in XCom of task {PLAN_TASK_ID!r}; it must run first")
+    return plan if isinstance(plan, RunPlan) else RunPlan.model_validate(plan)
 
 
-def _committed_by(what: str, uri: str, storage: Any) -> Any:
-    """The manifest a stage command that exited 0 must have committed; its absence is a failure
-    of that command, said as such (not "run the stage first": it just ran)."""
-    from pipeline_core.artifacts import ArtifactNotFound, require_manifest
+def asset_extra(plan: RunPlan, manifest: Any, reused: bool) -> dict[str, Any]:
+    """Asset-event `extra`: what downstream consumers schedule and filter on (rows, tokens)."""
+    from pipeline_core.handoffs import TrainReadyInfo
 
-    try:
-        return require_manifest(uri, storage)
-    except ArtifactNotFound:
-        raise RuntimeError(f"{what} finished without error but committed no artifact at {uri} (no manifest); "
-                           "the stage command must publish its output before exiting 0 -- see its log above") from None
-
-
-def _summary(manifest: Any, reused: bool) -> dict[str, Any]:
-    return {"uri": manifest.uri, "kind": manifest.kind, "counts": manifest.counts, "reused": reused,
-            "manifest_sha256": manifest.sha256, "extra": manifest.extra}
-
-
-class ResolvePlanOperator(BaseOperator):
-    """First task: validate the Params and config, write the resolved config, push the plan."""
-
-    ui_color = "#e8f4ea"
-
-    def __init__(self, *, settings: DeploySettings, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.settings = settings
-
-    def execute(self, context: Any) -> dict[str, Any]:
-        from plugins.mft_airflow.plan import PlanError, resolve_plan
-
-        dag_run = context["dag_run"]
-        run_date = context.get("logical_date") or dag_run.run_after
+    counts = manifest.counts or {}
+    extra: dict[str, Any] = {"dataset_version": plan.dataset_version, "manifest_sha256": manifest.sha256,
+                             "reused": reused, "rows_in": counts.get("in"), "rows_out": counts.get("out"),
+                             "rows_rejected": sum((counts.get("rejected") or {}).values())}
+    if manifest.kind == "train-ready":
         try:
-            plan = resolve_plan(
-                dict(context["params"]), dag_id=self.dag_id, airflow_run_id=dag_run.run_id,
-                run_date=run_date, config_file=self.settings.config_file,
-            )
-        except (PlanError, ValueError) as e:
-            # a bad parameter is not transient: fail now, without retries
-            raise AirflowFailException(str(e)) from None
-        self.log.info("plan:\n%s", json.dumps(plan, indent=2))
-        return plan
+            info = TrainReadyInfo.from_manifest(manifest)
+        except ValueError:  # an artifact committed before the typed hand-off: counts only
+            return extra
+        extra.update(tokens=info.tokens, target_tokens=info.target_tokens, sequences=info.sequences,
+                     seq_len=info.seq_len)
+    return extra
 
 
-class SparkStageOperator(BaseOperator):
-    """A Spark stage (enrich or filter) through `SparkSubmitOperator` on `spark_conn_id`."""
+class _PlanStage:
+    """What every stage operator shares: the plan, idempotency, assets and lineage."""
 
+    stage: Stage
+    input_field: str
+    output_field: str
+    outlets: Sequence[Any]
+
+    def _begin(self, context: Any) -> tuple[RunPlan, Any]:
+        """(plan, committed manifest or None); skips when the run leaves this stage out."""
+        from plugins.mft_airflow.hooks import ArtifactStoreHook
+        from plugins.mft_airflow.plan import load_plan_config
+
+        plan = pull_plan(context)
+        if not plan.runs(self.stage):
+            raise AirflowSkipException(f"{self.stage} not in stages {list(plan.stages)}; using the committed artifact")
+        self._plan, self._store = plan, ArtifactStoreHook(load_plan_config(plan).storage)
+        self._manifest = self._store.manifest(getattr(plan, self.output_field))
+        return plan, self._manifest
+
+    def _finish(self, context: Any, reused: bool) -> StageResult:
+        plan = self._plan
+        uri = getattr(plan, self.output_field)
+        manifest = self._manifest if reused else self._store.require(uri)
+        self._manifest = manifest
+        self.log.info("%s: %s %s counts=%s", self.stage, "reused" if reused else "committed", uri, manifest.counts)
+        for outlet in self.outlets:
+            if isinstance(outlet, AssetAlias):
+                context["outlet_events"][outlet].add(
+                    Asset(name=f"{outlet.name}/{plan.dataset_version}/{uri.rsplit('/', 1)[1]}", uri=uri),
+                    extra=asset_extra(plan, manifest, reused))
+        return StageResult(uri=uri, kind=manifest.kind, counts=manifest.counts, reused=reused,
+                           manifest_sha256=manifest.sha256)
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        from plugins.mft_airflow.lineage import lineage
+
+        plan = getattr(self, "_plan", None)
+        if plan is None:  # skipped or failed before the plan was read
+            return None
+        return lineage([getattr(plan, self.input_field)],
+                       [(getattr(plan, self.output_field), getattr(self, "_manifest", None))])
+
+
+# ------------------------------------------------------------------------------------------ Spark
+
+
+class SparkStageOperator(_PlanStage, SparkSubmitOperator):
+    """A Spark stage of the pipeline (`spark_jobs/<application> --input --output --config`).
+
+    :param stage: `enrich` or `filter` (a run whose `stages` leave it out skips it)
+    :param application: the PySpark application under `settings.spark_app_dir`
+    :param input_field: the `RunPlan` field holding the input URI
+    :param output_field: the `RunPlan` field holding the artifact URI this stage commits
+    :param settings: deployment settings (Spark connection, resources, conf, Python)
+    """
+
+    template_fields: Sequence[str] = SparkSubmitOperator.template_fields
     ui_color = "#fdf0e0"
 
-    def __init__(self, *, stage: str, application: str, input_key: str, output_key: str,
+    def __init__(self, *, stage: Stage, application: str, input_field: str, output_field: str,
                  settings: DeploySettings, **kwargs: Any):
-        super().__init__(**kwargs)
-        self.stage, self.application = stage, application
-        self.input_key, self.output_key = input_key, output_key
-        self.settings = settings
-        self._inner: Any = None
-
-    def build_submit(self, plan: dict[str, Any]) -> Any:
-        """The SparkSubmitOperator for this plan (also what tests inspect)."""
-        from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
-
-        s = self.settings
+        s = settings
         python = s.spark_python or sys.executable
         # Spark's INFO startup chatter would drown the task log; the stage logs what matters
         conf = {"spark.pyspark.python": python, "spark.pyspark.driver.python": python, "spark.log.level": "WARN",
@@ -99,123 +159,103 @@ class SparkStageOperator(BaseOperator):
         env = {"PYSPARK_PYTHON": python,
                # spark-submit is resolved on this PATH: the interpreter's own bin dir first
                "PATH": os.pathsep.join([str(Path(python).parent), os.environ.get("PATH", "")])}
-        return SparkSubmitOperator(
-            task_id=f"{self.task_id}-submit",
+        super().__init__(
             conn_id=s.spark_conn_id,
-            application=str(Path(s.spark_app_dir) / self.application),
-            application_args=["--input", plan[self.input_key], "--output", plan[self.output_key],
-                              "--config", plan["config_file"]],
-            name=f"mft-{self.stage}-{plan['dataset_version']}",
-            conf=conf,
-            py_files=s.spark_py_files,
-            archives=s.spark_archives,
-            executor_memory=s.spark_executor_memory,
-            executor_cores=s.spark_executor_cores,
-            driver_memory=s.spark_driver_memory,
-            num_executors=s.spark_num_executors,
-            env_vars=env,
+            application=str(Path(s.spark_app_dir) / application),
+            application_args=["--input", plan_field(input_field), "--output", plan_field(output_field),
+                              "--config", plan_field("config_file")],
+            name=f"mft-{stage}-" + plan_field("dataset_version"),
+            conf=conf, py_files=s.spark_py_files, archives=s.spark_archives,
+            executor_memory=s.spark_executor_memory, executor_cores=s.spark_executor_cores,
+            driver_memory=s.spark_driver_memory, num_executors=s.spark_num_executors, env_vars=env,
+            openlineage_inject_parent_job_info=True,
+            **kwargs,
         )
+        self.stage, self.input_field, self.output_field = stage, input_field, output_field
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from pipeline_core.artifacts import read_manifest
+        _, committed = self._begin(context)
+        if committed is None:
+            super().execute(context)
+        return self._finish(context, reused=committed is not None).model_dump()
+
+
+# --------------------------------------------------------------------------------------- training
+
+
+class _TrainStage(_PlanStage):
+    stage: Stage = "train"
+    input_field = "train_ready_uri"
+    output_field = "model_uri"
+
+    def _begin_training(self, context: Any) -> bool:
+        """True when the run's model is already committed (nothing to launch)."""
+        plan, existing = self._begin(context)
+        if existing is not None:
+            trained_on = [i["uri"] for i in existing.inputs]
+            if trained_on and plan.train_ready_uri not in trained_on:
+                # a run id names one training run; reusing it for other data would be a silent lie
+                raise AirflowFailException(
+                    f"run_id: run {plan.run_id} already has a model trained on {trained_on[0]}, not on "
+                    f"{plan.train_ready_uri}; give this training a new run_id")
+            self.log.info("train: model %s is already committed; nothing to do", plan.model_uri)
+            return True
+        self.log.info("train: run %s, resuming from its newest checkpoint if any", plan.run_uri)
+        return False
+
+    def _config(self) -> Any:
         from plugins.mft_airflow.plan import load_plan_config
 
-        plan = _plan(context)
-        if self.stage not in plan["stages"]:
-            raise AirflowSkipException(f"{self.stage} not in stages {plan['stages']}; using the committed artifact")
-        storage = load_plan_config(plan).storage
-        out = plan[self.output_key]
-        existing = read_manifest(out, storage)
-        if existing is not None:
-            self.log.info("%s: artifact %s is already committed; nothing to do", self.stage, out)
-            manifest, reused = existing, True
-        else:
-            self._inner = self.build_submit(plan)
-            self._inner.execute(context)
-            manifest, reused = _committed_by(f"{self.stage}: spark-submit", out, storage), False
-        self.log.info("%s: %s counts=%s", self.stage, out, manifest.counts)
-        self._emit_asset(context, plan, out, manifest, reused)
-        return _summary(manifest, reused)
-
-    def _emit_asset(self, context: Any, plan: dict[str, Any], uri: str, manifest: Any, reused: bool) -> None:
-        for outlet in self.outlets:
-            if isinstance(outlet, AssetAlias):
-                context["outlet_events"][outlet].add(
-                    Asset(name=f"{outlet.name}/{plan['dataset_version']}/{uri.rsplit('/', 1)[1]}", uri=uri),
-                    extra={"dataset_version": plan["dataset_version"], "manifest_sha256": manifest.sha256,
-                           "reused": reused},
-                )
-
-    def on_kill(self) -> None:
-        if self._inner is not None:
-            self._inner.on_kill()
+        return load_plan_config(self._plan)
 
 
-class TrainOperator(BaseOperator):
-    """Training through the launcher the plan names (local / docker / kubernetes)."""
+class TrainOperator(_TrainStage, BaseOperator):
+    """Training on this worker: the torchrun agent (or `deepspeed --hostfile`) as a subprocess
+    under a watchdog, so its ranks die with the task.
 
+    :param settings: deployment settings (processes per node, nodes, rendezvous, extra env names)
+    """
+
+    template_fields: Sequence[str] = ("command",)
+    template_fields_renderers = {"command": "py"}
     ui_color = "#e6e6fa"
 
     def __init__(self, *, settings: DeploySettings, **kwargs: Any):
+        from plugins.mft_airflow.launchers import local_command
+
         super().__init__(**kwargs)
         self.settings = settings
-        self._inner: Any = None
+        self.command = local_command(TEMPLATED_PLAN, settings)
+        self._hook: Any = None
 
-    def build_launcher(self, plan: dict[str, Any]) -> Any:
-        from plugins.mft_airflow.launchers import build_launcher
-        from plugins.mft_airflow.plan import load_plan_config
+    def build_hook(self) -> Any:
+        from plugins.mft_airflow.hooks import LocalTrainHook
+        from plugins.mft_airflow.launchers import local_env
 
-        return build_launcher(plan, load_plan_config(plan), self.settings, self.task_id, self.log)
+        return LocalTrainHook(list(self.command), local_env(self._config(), self.settings), str(REPO_ROOT))
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from pipeline_core.artifacts import read_manifest
-        from plugins.mft_airflow.plan import load_plan_config
-
-        plan = _plan(context)
-        if "train" not in plan["stages"]:
-            raise AirflowSkipException(f"train not in stages {plan['stages']}")
-        storage = load_plan_config(plan).storage
-        existing = read_manifest(plan["model_uri"], storage)
-        if existing is not None:
-            trained_on = [i["uri"] for i in existing.inputs]
-            if trained_on and plan["train_ready_uri"] not in trained_on:
-                # a run id names one training run; reusing it for other data would be a silent lie
-                raise AirflowFailException(
-                    f"run_id: run {plan['run_id']} already has a model trained on {trained_on[0]}, not on "
-                    f"{plan['train_ready_uri']}; give this training a new run_id")
-            self.log.info("train: model %s is already committed; nothing to do", plan["model_uri"])
-            return _summary(existing, True)
-        self.log.info("train: run %s (%s launcher), resuming from its newest checkpoint if any",
-                      plan["run_uri"], plan["launcher"])
-        self._inner = self.build_launcher(plan)
-        self._inner.execute(context)
-        return _summary(_committed_by(f"train: the {plan['launcher']} launcher", plan["model_uri"], storage), False)
+        if not self._begin_training(context):
+            self._hook = self.build_hook()
+            self._hook.run()
+        return self._finish(context, reused=self._hook is None).model_dump()
 
     def on_kill(self) -> None:
-        if self._inner is not None:
-            self._inner.on_kill()
+        if self._hook is not None:
+            self._hook.stop()
 
 
-class PublishModelOperator(BaseOperator):
-    """Evaluation-gated publish (plugins.mft_airflow.summary.publish_model): sha256 of every file,
-    val loss vs the current LATEST, summary, then `models/LATEST` forward only."""
+def train_operator(settings: DeploySettings, **kwargs: Any) -> BaseOperator:
+    """The train task for the deployment's launcher (`MFT_DEPLOY__LAUNCHER`)."""
+    if settings.launcher == "docker":
+        from plugins.mft_airflow.container_operators import DockerTrainOperator
 
-    ui_color = "#e0f0ff"
+        return DockerTrainOperator(settings=settings, **kwargs)
+    if settings.launcher == "kubernetes":
+        from plugins.mft_airflow.container_operators import KubernetesTrainOperator
 
-    def execute(self, context: Any) -> dict[str, Any]:
-        from pipeline_core.pointers import order_key_from_date
-        from plugins.mft_airflow.plan import load_plan_config
-        from plugins.mft_airflow.summary import format_summary, publish_model
-
-        plan = _plan(context)
-        if "train" not in plan["stages"]:
-            raise AirflowSkipException("no training in this run; nothing to publish")
-        cfg = load_plan_config(plan)
-        # runs are ordered by logical date (trigger time for manual runs): LATEST never moves back
-        order_key = order_key_from_date(context.get("logical_date") or context["dag_run"].run_after)
-        summary = publish_model(plan, cfg.storage, order_key, cfg.release)
-        self.log.info("\n%s", format_summary(summary))
-        return summary
+        return KubernetesTrainOperator(settings=settings, **kwargs)
+    return TrainOperator(settings=settings, **kwargs)
 
 
 def log_failure(context: Any) -> None:
@@ -223,14 +263,13 @@ def log_failure(context: Any) -> None:
     ti = context.get("ti")
     task_id = getattr(ti, "task_id", "?")
     try:
-        plan = ti.xcom_pull(task_ids=PLAN_TASK_ID) if ti else None
+        plan = pull_plan(context) if ti else None
     except Exception:  # the callback must never raise
         plan = None
-    if not plan:
+    if plan is None:
         log.error("mistral_finetune: task %s failed before a plan existed (invalid params or config?)", task_id)
         return
-    target = {"enrich": plan.get("enriched_uri"), "filter": plan.get("train_ready_uri"),
-              "train": plan.get("run_uri"), "publish": plan.get("model_uri")}.get(task_id, plan.get("run_uri"))
+    target = {"enrich": plan.enriched_uri, "filter": plan.train_ready_uri, "train": plan.run_uri,
+              "publish": plan.model_uri}.get(task_id, plan.run_uri)
     log.error("mistral_finetune: task %s failed; dataset_version=%s run_id=%s target=%s (not committed; "
-              "a retry resumes from what is committed)", task_id, plan.get("dataset_version"),
-              plan.get("run_id"), target)
+              "a retry resumes from what is committed)", task_id, plan.dataset_version, plan.run_id, target)

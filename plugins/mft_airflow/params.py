@@ -2,9 +2,11 @@
 `pipeline_core.config` overrides.
 
 A param left at null means "whatever the configuration says" (defaults < config file < env), so a
-deployment's config file is not silently overridden by form defaults. Everything the form does not
-name can still be set through `config_overrides` (`{"section.field": value}`), which the config
-loader validates field by field.
+deployment's config file is not silently overridden by form defaults. Content settings the form does
+not name can be set through `config_overrides` (`{"section.field": value}`), limited to
+`OVERRIDABLE`: a trigger may change what a run computes, never where it reads or writes, which
+credentials or endpoints it uses, or what code runs (store, staging, connections, endpoints, Spark
+conf, ds_config, model/tokenizer paths, launcher and image stay deployment configuration).
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from typing import Any
 from pipeline_core.config import NEMOTRON_SPLITS
 
 STAGES = ("enrich", "filter", "train")
-LAUNCHERS = ("local", "docker", "kubernetes")
 COMPONENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 
 # param name -> config keys it sets (seq_len drives both the packer and the trainer)
@@ -35,12 +36,29 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "force_promote": ("release.force_promote",),
 }
 
+# `config_overrides` keys a trigger may set: what a run computes (thresholds, sizes, steps, rates,
+# seeds). Explicit on purpose: a field added to the config is not overridable until it is listed.
+OVERRIDABLE: frozenset[str] = frozenset({
+    # Spark's partition counts tune, they cannot redirect I/O or load code (unlike spark_conf)
+    "enrich.shuffle_partitions", "filter.shuffle_partitions",
+    *(f"enrich.{f}" for f in ("splits", "input_format", "reasoning", "max_context_sentences", "max_sentence_chars",
+                              "top_k", "relevance_threshold", "question_weight", "answer_weight")),
+    *(f"filter.{f}" for f in ("min_qa_similarity", "exact_dedup", "near_dup_threshold", "lsh_bands",
+                              "lsh_min_band_matches", "lsh_rows_per_band", "lsh_max_leaders", "lsh_seed",
+                              "min_answer_tokens", "max_tokens", "val_fraction", "seq_len", "overflow",
+                              "train_on_reasoning", "seed", "pack_buffer_docs")),
+    *(f"train.{f}" for f in ("pipeline_stages", "partition_method", "seq_len", "micro_batch_size",
+                             "gradient_accumulation_steps", "global_batch_size", "steps", "learning_rate",
+                             "warmup_steps", "checkpoint_every", "keep_last", "seed", "precision",
+                             "activation_checkpoint_interval", "eval_batches")),
+})
+
 
 def _nullable(kind: str, description: str, **schema: Any) -> dict[str, Any]:
     return {"default": None, "type": ["null", kind], "description": description, **schema}
 
 
-def param_specs(default_launcher: str = "local") -> dict[str, dict[str, Any]]:
+def param_specs() -> dict[str, dict[str, Any]]:
     """name -> keyword arguments of `airflow.sdk.Param` (kept as plain dicts so tests and docs can
     read the schema without Airflow)."""
     return {
@@ -50,7 +68,7 @@ def param_specs(default_launcher: str = "local") -> dict[str, dict[str, Any]]:
         ),
         "source_uri": _nullable(
             "string", "Raw Nemotron records: file:///…, s3://bucket/prefix or hf://datasets/<repo>. Empty: config.",
-            pattern=r"^(file|s3|s3a|hdfs|hf)://\S+$", title="Source URI",
+            pattern=r"^(file|s3|s3a|hdfs|hf)://[^\s?#]+$", title="Source URI",
         ),
         "run_id": _nullable(
             "string", "Training run id (runs/<run_id>/). Empty: <dataset version>-<Airflow run id>; "
@@ -80,10 +98,6 @@ def param_specs(default_launcher: str = "local") -> dict[str, dict[str, Any]]:
             minimum=0, maximum=10, title="Promotion tolerance"),
         "force_promote": _nullable("boolean", "Publish to models/LATEST even if it evaluates worse.",
                                    title="Force promotion"),
-        "launcher": {
-            "default": default_launcher, "type": "string", "enum": list(LAUNCHERS), "title": "Training launcher",
-            "description": "local: torchrun on the worker; docker: GPU container; kubernetes: GPU pod.",
-        },
         "stages": {
             "default": list(STAGES), "type": "array", "items": {"type": "string", "enum": list(STAGES)},
             "minItems": 1, "uniqueItems": True, "title": "Stages",
@@ -91,7 +105,8 @@ def param_specs(default_launcher: str = "local") -> dict[str, dict[str, Any]]:
         },
         "config_overrides": {
             "default": {}, "type": "object", "title": "Other config fields",
-            "description": 'Any config field, e.g. {"train.micro_batch_size": 2, "filter.val_fraction": 0.1}.',
+            "description": 'Other content settings, e.g. {"train.micro_batch_size": 2, "filter.val_fraction": 0.1}; '
+                           "deployment settings (store, connections, Spark conf, ds_config, image) are refused.",
             "propertyNames": {"pattern": r"^[a-z_]+\.[a-z_0-9]+$"},
         },
     }

@@ -14,7 +14,7 @@ from datetime import date, datetime
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline_core.config import PROJECT_ROOT
 
@@ -37,7 +37,7 @@ class DeploySettings(BaseModel):
     train_timeout_min: int = Field(24 * 60, ge=1)
     publish_timeout_min: int = Field(30, ge=1)
     gpu_pool: str = "gpu"
-    launcher: Launcher = "local"
+    launcher: Launcher = Field("local", description="How the train task runs: a deployment property, not a trigger's")
 
     # --- Spark (SparkSubmitOperator; master and deploy mode come from the connection)
     spark_conn_id: str = "spark_default"
@@ -72,6 +72,42 @@ class DeploySettings(BaseModel):
     )
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    cpu_request: str | None = Field("8", description="CPU request per training pod (kubernetes)")
+    memory_request: str | None = Field("64Gi", description="Memory request per training pod (kubernetes)")
+    memory_limit: str | None = Field(None, description="Memory limit per training pod (kubernetes); None = none")
+
+    # --- several nodes (one torchrun agent per node, a shared c10d rendezvous)
+    nnodes: int = Field(1, ge=1, le=4096, description="Training nodes; kubernetes: pods of the indexed Job")
+    node_rank: int = Field(0, ge=0, description="This worker's node (local/docker launchers with nnodes > 1)")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port of the c10d rendezvous (local/docker with nnodes > 1); kubernetes: derived")
+    rdzv_port: int = Field(29500, ge=1, le=65535, description="Rendezvous port (kubernetes: on the index-0 pod)")
+    hostfile: str | None = Field(
+        None, description="DeepSpeed hostfile (local launcher): `deepspeed --hostfile` starts every node over SSH")
+
+    # --- least secret
+    env_passthrough: tuple[str, ...] = Field(
+        (), description="Extra worker environment variables the local launcher passes to torchrun (names)")
+    credentials_file: str | None = Field(
+        None, description="docker: host path of an AWS shared-credentials file (a Docker secret), mounted read-only")
+
+    @model_validator(mode="after")
+    def _multi_node(self) -> DeploySettings:
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be < nnodes={self.nnodes}")
+        if self.nnodes > 1 and self.launcher != "kubernetes" and not (self.rdzv_endpoint or self.hostfile):
+            raise ValueError(f"nnodes={self.nnodes} with the {self.launcher} launcher needs rdzv_endpoint (host:port "
+                             "of the rendezvous, one agent per node) or hostfile (DeepSpeed launcher over SSH)")
+        if self.hostfile and self.launcher != "local":
+            raise ValueError("hostfile: only the local launcher starts nodes over SSH; containers use a rendezvous")
+        return self
+
+    def procs_per_node(self) -> int:
+        """Ranks per node: one per GPU, else CPU ranks."""
+        return self.gpus if self.launcher != "local" and self.gpus else self.local_nproc_per_node
+
+    def world_size(self) -> int:
+        return self.nnodes * self.procs_per_node()
 
 
 def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> DeploySettings:

@@ -26,6 +26,7 @@ from pipeline_core.artifacts import (
 from pipeline_core.config import ReleaseSection, StorageSection, load_config
 from pipeline_core.pointers import read_pointer
 from pipeline_core.store import open_store
+from plugins.mft_airflow.run_plan import RunPlan
 
 SUMMARY = "pipeline_summary.json"
 
@@ -54,34 +55,34 @@ def _stage(uri: str, storage: StorageSection | None) -> dict[str, Any]:
             "timings": m.timings if m else None}
 
 
-def publish_model(plan: dict[str, Any], storage: StorageSection | None, order_key: str,
+def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
                   release: ReleaseSection | None = None) -> dict[str, Any]:
     """Verify, evaluate, write the summary, then move `models/LATEST` if the gate allows it."""
     from training.promote import apply, evaluate
 
     release = release or ReleaseSection()
-    model = require_manifest(plan["model_uri"], storage)
+    model = require_manifest(plan.model_uri, storage)
     if model.kind != "model":
-        raise ArtifactError(f"{plan['model_uri']} is a {model.kind!r} artifact, not a model")
-    decision = evaluate(plan["model_uri"], plan["train_ready_uri"], plan["models_uri"], order_key, release, storage)
+        raise ArtifactError(f"{plan.model_uri} is a {model.kind!r} artifact, not a model")
+    decision = evaluate(plan.model_uri, plan.train_ready_uri, plan.models_uri, order_key, release, storage)
     summary = {
-        "dataset_version": plan["dataset_version"],
-        "run_id": plan["run_id"],
-        "source_uri": plan["source_uri"],
-        "enrich": _stage(plan["enriched_uri"], storage),
-        "filter": _stage(plan["train_ready_uri"], storage),
+        "dataset_version": plan.dataset_version,
+        "run_id": plan.run_id,
+        "source_uri": plan.source_uri,
+        "enrich": _stage(plan.enriched_uri, storage),
+        "filter": _stage(plan.train_ready_uri, storage),
         "data_report": data_report_link(plan, storage),
-        "train": {"run_uri": plan["run_uri"], **_losses(layout.report_uri(plan["run_uri"]), storage)},
-        "model": {"uri": plan["model_uri"], "files": len(model.files),
+        "train": {"run_uri": plan.run_uri, **_losses(layout.report_uri(plan.run_uri), storage)},
+        "model": {"uri": plan.model_uri, "files": len(model.files),
                   "bytes": sum(f["size"] for f in model.files), "manifest_sha256": model.sha256},
         "promotion": decision.to_dict(),
     }
-    _write_summary(plan["run_uri"], summary, storage)  # before LATEST can name this run
-    final = apply(decision, plan["models_uri"], storage, run_id=plan["run_id"])
+    _write_summary(plan.run_uri, summary, storage)  # before LATEST can name this run
+    final = apply(decision, plan.models_uri, storage, run_id=plan.run_id)
     if final != decision:
         summary["promotion"] = final.to_dict()
-        _write_summary(plan["run_uri"], summary, storage)
-    summary["latest"] = uris.join(plan["models_uri"], "LATEST")
+        _write_summary(plan.run_uri, summary, storage)
+    summary["latest"] = uris.join(plan.models_uri, "LATEST")
     return summary
 
 
@@ -90,11 +91,11 @@ def _write_summary(run_uri: str, summary: dict[str, Any], storage: StorageSectio
     store.put_bytes(f"{key.rstrip('/')}/{SUMMARY}", json.dumps(summary, indent=2, sort_keys=True).encode())
 
 
-def data_report_link(plan: dict[str, Any], storage: StorageSection | None) -> str | None:
+def data_report_link(plan: RunPlan, storage: StorageSection | None) -> str | None:
     """The committed data report's page for this run's train-ready artifact, if there is one."""
     from reports.data_report import report_page_uri, report_uri
 
-    uri = report_uri(plan["train_ready_uri"])
+    uri = report_uri(plan.train_ready_uri)
     return report_page_uri(uri) if read_manifest(uri, storage) is not None else None
 
 

@@ -1,0 +1,298 @@
+"""Training in containers: the provider operators themselves, with the trainer's spec from the plan.
+
+- `DockerTrainOperator` is a `DockerOperator`: GPU `DeviceRequest`s, shared directories bind-mounted
+  at the same path (so `file://` URIs mean the same inside), a large /dev/shm for NCCL, store
+  credentials as a read-only mounted file (never in the container's config, which `docker inspect`
+  shows), a deterministic container name checked before launch, and every container removed after
+  its logs are streamed into the task log (failed ones included).
+- `KubernetesTrainOperator` is a deferrable `KubernetesJobOperator`: an indexed Job with one pod
+  per node (completion index = node rank), a headless Service giving the index-0 pod a stable DNS
+  name for the c10d rendezvous, CPU/memory/GPU requests, the shared staging PVC, credentials from
+  a Kubernetes Secret; the task frees its worker slot while the Job runs (the triggerer waits).
+
+Imported only when the deployment's launcher names them (`operators.train_operator`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from airflow.providers.cncf.kubernetes.operators.job import JOB_NAME_PREFIX, KubernetesJobOperator
+from airflow.providers.docker.operators.docker import DockerOperator
+from airflow.sdk.exceptions import AirflowException
+
+from pipeline_core import uris
+from plugins.mft_airflow import launchers
+from plugins.mft_airflow.operators import TEMPLATED_PLAN, _TrainStage, plan_field
+from plugins.mft_airflow.settings import DeploySettings
+
+
+def prefetch_base_model(cfg: Any, log: Any) -> None:
+    """A hub model id cannot be downloaded by an offline container: fetch it on the worker into
+    the shared hub cache (`launchers.hub_cache_env`) the container reads, before launch."""
+    base = cfg.train.base_model
+    if base == "tiny" or uris.scheme_of(base) or Path(base).exists():
+        return
+    from huggingface_hub import snapshot_download
+
+    cache = launchers.hub_cache_env(cfg)["HF_HOME"]
+    log.info("prefetching %s into %s (containers run with HF_HUB_OFFLINE=1)", base, cache)
+    snapshot_download(repo_id=base, cache_dir=str(Path(cache) / "hub"),
+                      allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+
+
+# ----------------------------------------------------------------------------------------- docker
+
+
+class DockerTrainOperator(_TrainStage, DockerOperator):
+    """The trainer in a GPU container on a Docker engine (one node, or one node of a rendezvous).
+
+    :param settings: deployment settings (image, GPUs, shm, network, shared volume, credentials
+        file, nodes / rendezvous)
+    """
+
+    template_fields: Sequence[str] = DockerOperator.template_fields
+    ui_color = "#e6e6fa"
+
+    def __init__(self, *, settings: DeploySettings, **kwargs: Any):
+        from docker.types import DeviceRequest
+
+        gpus = [DeviceRequest(count=settings.gpus, capabilities=[["gpu"]])] if settings.gpus else None
+        super().__init__(
+            image=settings.image,
+            command=launchers.container_command(TEMPLATED_PLAN, settings),
+            container_name=plan_field("trainer_name"),
+            device_requests=gpus,
+            shm_size=settings.shm_size_gb * 1024**3,
+            docker_url=settings.docker_url,
+            network_mode=settings.docker_network,
+            auto_remove="force",  # logs are streamed while it runs; a failed container is not kept
+            mount_tmp_dir=False,
+            tty=False,
+            **kwargs,
+        )
+        self.settings = settings
+        self._secret_file: Path | None = None
+
+    def prepare(self, cfg: Any) -> None:
+        """Mounts and environment for this run's config (called in `execute`, tests call it too)."""
+        from docker.types import Mount
+
+        s = self.settings
+        mounts = [Mount(target=d, source=d, type="bind") for d in launchers.shared_dirs(cfg)]
+        if s.shared_volume:  # the host directory holding the staging tree may live elsewhere on the host
+            mounts[0] = Mount(target=mounts[0]["Target"], source=s.shared_volume, type="bind")
+        env = {**launchers.trainer_env(cfg), **launchers.hub_cache_env(cfg), "HF_HUB_OFFLINE": "1"}
+        secret = self._credentials_source(cfg)
+        if secret:
+            mounts.append(Mount(target=launchers.CONTAINER_CREDENTIALS, source=secret, type="bind", read_only=True))
+            env["AWS_SHARED_CREDENTIALS_FILE"] = launchers.CONTAINER_CREDENTIALS
+        self.mounts, self.environment, self._private_environment = mounts, env, {}
+
+    def _credentials_source(self, cfg: Any) -> str | None:
+        """Host path of the credentials file: the deployment's (a Docker secret), else one written
+        for this attempt (mode 0600, removed when the task ends)."""
+        if self.settings.credentials_file:
+            return self.settings.credentials_file
+        creds = launchers.store_credentials(cfg)
+        if not creds:
+            return None
+        staging = uris.to_local_path(cfg.pipeline.staging_uri)
+        d = staging / "secrets" / f"{self._plan.trainer_name}-{os.getpid()}"
+        d.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._secret_file = d / "credentials"
+        fd = os.open(self._secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(launchers.credentials_ini(creds))
+        host = Path(self.settings.shared_volume) / d.relative_to(staging) if self.settings.shared_volume else d
+        return str(host / "credentials")
+
+    def _take_over_previous(self) -> None:
+        """One trainer per run: a container with this run's name is the previous attempt's. A
+        running one is waited for (its logs follow); a stopped one is removed after its logs."""
+        name = self.container_name
+        found = self.cli.containers(all=True, filters={"name": f"^/{name}$"})
+        if not found:
+            return
+        c = found[0]
+        if c.get("State") == "running":
+            self.log.warning("container %s (%s) of this run is still running: waiting for it instead of "
+                             "starting a second trainer", name, c["Id"][:12])
+            for chunk in self.cli.logs(c["Id"], stream=True, follow=True, tail=50):
+                self.log.info("%s", chunk.decode(errors="replace").rstrip())
+            self.cli.wait(c["Id"])
+        else:
+            tail = self.cli.logs(c["Id"], tail=50).decode(errors="replace")
+            self.log.info("removing stopped container %s of a previous attempt; its last lines:\n%s", name, tail)
+        self.cli.remove_container(c["Id"], force=True)
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        if not self._begin_training(context):
+            cfg = self._config()
+            self.prepare(cfg)
+            self._take_over_previous()
+            if self._store.manifest(self._plan.model_uri) is None:  # the waited-for trainer may have finished
+                prefetch_base_model(cfg, self.log)
+                try:
+                    super().execute(context)
+                finally:
+                    self._remove_secret()
+        return self._finish(context, reused=False).model_dump()
+
+    def _remove_secret(self) -> None:
+        if self._secret_file is not None:
+            self._secret_file.unlink(missing_ok=True)
+            self._secret_file.parent.rmdir()
+            self._secret_file = None
+
+
+# ------------------------------------------------------------------------------------- kubernetes
+
+
+class KubernetesTrainOperator(_TrainStage, KubernetesJobOperator):
+    """The trainer as an indexed Kubernetes Job: `settings.nnodes` pods, one torchrun agent each.
+
+    Why an indexed Job (not JobSet or a Kubeflow PyTorchJob): it is core Kubernetes (batch/v1,
+    no controller to install), gives every pod its node rank (`JOB_COMPLETION_INDEX`) and a stable
+    hostname under a headless Service, and the provider's `KubernetesJobOperator` already waits
+    on it deferrably. See docs/deploy.md.
+
+    :param settings: deployment settings (image, GPUs, CPU/memory requests, nodes, namespace,
+        staging PVC, S3 Secret, placement)
+    """
+
+    template_fields: Sequence[str] = KubernetesJobOperator.template_fields
+    ui_color = "#e6e6fa"
+
+    def __init__(self, *, settings: DeploySettings, **kwargs: Any):
+        from kubernetes.client import models as k8s
+
+        s = settings
+        name = plan_field("trainer_name")
+        # the provider names the Job job-<name>; its pods' hostnames are job-<name>-<index>
+        argv = launchers.kubernetes_command(TEMPLATED_PLAN, s, job_name=JOB_NAME_PREFIX + name, service=name)
+        requests = {k: v for k, v in {"cpu": s.cpu_request, "memory": s.memory_request}.items() if v}
+        limits = {"memory": s.memory_limit} if s.memory_limit else {}
+        if s.gpus:
+            requests[s.gpu_resource] = limits[s.gpu_resource] = str(s.gpus)
+        super().__init__(
+            name=name,
+            random_name_suffix=False,  # deterministic: a retry finds its predecessor (see create_job)
+            namespace=s.namespace,
+            image=s.image,
+            cmds=argv[:1],
+            arguments=argv[1:],
+            env_from=([k8s.V1EnvFromSource(secret_ref=k8s.V1SecretEnvSource(name=s.s3_secret))]
+                      if s.s3_secret else None),
+            container_resources=k8s.V1ResourceRequirements(requests=requests or None, limits=limits or None),
+            node_selector=s.node_selector or None,
+            tolerations=[k8s.V1Toleration(**t) for t in s.tolerations] or None,
+            service_account_name=s.service_account,
+            labels={"app": "mistral-finetune", "mft-run": name},
+            completion_mode="Indexed",
+            completions=s.nnodes,
+            parallelism=s.nnodes,
+            backoff_limit=0,  # one lost pod fails the Job; the Airflow retry resumes from a checkpoint
+            wait_until_job_complete=True,
+            deferrable=True,
+            get_logs=True,
+            on_finish_action="delete_succeeded_pod",
+            startup_timeout_seconds=1800,
+            **kwargs,
+        )
+        self.settings = settings
+
+    def prepare(self, cfg: Any) -> None:
+        """Volumes, environment and the pod's subdomain for this run's config."""
+        from kubernetes.client import models as k8s
+
+        s = self.settings
+        if not uris.is_local(cfg.pipeline.store_uri) and not s.s3_secret:
+            raise ValueError("kubernetes launcher: the store's credentials cannot reach a pod as plain config; set "
+                             "MFT_DEPLOY__S3_SECRET to a Kubernetes Secret holding AWS_ACCESS_KEY_ID / "
+                             "AWS_SECRET_ACCESS_KEY")
+        if s.nnodes > 1 and not s.staging_pvc:
+            raise ValueError("kubernetes launcher: nnodes > 1 needs MFT_DEPLOY__STAGING_PVC, a ReadWriteMany claim "
+                             "shared by every node (checkpoints are staged there before upload)")
+        staging = str(uris.to_local_path(cfg.pipeline.staging_uri))
+        self.volumes = [k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(
+            medium="Memory", size_limit=f"{s.shm_size_gb}Gi"))]
+        self.volume_mounts = [k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm")]
+        if s.staging_pvc:
+            self.volumes.append(k8s.V1Volume(name="staging", persistent_volume_claim=(
+                k8s.V1PersistentVolumeClaimVolumeSource(claim_name=s.staging_pvc))))
+            self.volume_mounts.append(k8s.V1VolumeMount(name="staging", mount_path=staging))
+        env = {**launchers.trainer_env(cfg), **launchers.hub_cache_env(cfg), "HF_HUB_OFFLINE": "1"}
+        self.env_vars = [k8s.V1EnvVar(name=k, value=v) for k, v in env.items()]
+        # pods of an indexed Job are <job>-<index>; with this subdomain, <job>-0.<service> resolves
+        self.full_pod_spec = k8s.V1Pod(spec=k8s.V1PodSpec(containers=[], subdomain=self.name))
+
+    def rendezvous_service(self) -> Any:
+        """Headless Service selecting this Job's pods: stable DNS for the index-0 rendezvous host."""
+        from kubernetes.client import models as k8s
+
+        return k8s.V1Service(
+            metadata=k8s.V1ObjectMeta(name=self.name, namespace=self.namespace, labels=self.labels),
+            spec=k8s.V1ServiceSpec(cluster_ip="None", selector={"mft-run": self.name}, publish_not_ready_addresses=True,
+                                   ports=[k8s.V1ServicePort(name="rdzv", port=self.settings.rdzv_port)]))
+
+    def create_job(self, job_request_obj: Any) -> Any:
+        """Never a second trainer: an active Job of this run is adopted; a finished one (failed,
+        or interrupted) is deleted first, so the new one resumes from the run's checkpoints."""
+        from kubernetes.client.exceptions import ApiException
+
+        name, ns = job_request_obj.metadata.name, job_request_obj.metadata.namespace
+        try:
+            existing = self.job_client.read_namespaced_job(name, ns)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            existing = None
+        if existing is not None:
+            if (existing.status.active or 0) > 0:
+                self.log.warning("Job %s/%s of this run is still active: waiting for it instead of starting a "
+                                 "second trainer", ns, name)
+                return existing
+            self.log.info("deleting finished Job %s/%s of a previous attempt", ns, name)
+            self.job_client.delete_namespaced_job(name, ns, propagation_policy="Foreground")
+            self._wait_deleted(name, ns)
+        if self.settings.nnodes > 1:
+            try:
+                self.hook.core_v1_client.create_namespaced_service(ns, self.rendezvous_service())
+            except ApiException as e:
+                if e.status != 409:  # already there from a previous attempt
+                    raise
+        return super().create_job(job_request_obj)
+
+    def _wait_deleted(self, name: str, ns: str, timeout_s: float = 300) -> None:
+        import time
+
+        from kubernetes.client.exceptions import ApiException
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                self.job_client.read_namespaced_job(name, ns)
+            except ApiException as e:
+                if e.status == 404:
+                    return
+                raise
+            time.sleep(2)
+        raise AirflowException(f"Job {ns}/{name} of a previous attempt was not deleted within {timeout_s:.0f}s")
+
+    def execute(self, context: Any) -> Any:
+        if self._begin_training(context):
+            return self._finish(context, reused=True).model_dump()
+        cfg = self._config()
+        self.prepare(cfg)
+        prefetch_base_model(cfg, self.log)
+        super().execute(context)  # defers: the triggerer waits for the Job; execute_complete resumes
+        return self._finish(context, reused=False).model_dump()
+
+    def execute_complete(self, context: Any, event: dict, **kwargs: Any) -> Any:
+        super().execute_complete(context, event, **kwargs)
+        self._begin(context)
+        return self._finish(context, reused=False).model_dump()
