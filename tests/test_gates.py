@@ -6,8 +6,12 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from plugins.mft_airflow.gates import approval_record, gate_text
+from plugins.mft_airflow.run_plan import RunPlan
 
-PLAN = {"run_id": "r1", "dataset_version": "20260101", "train_ready_uri": "s3://b/datasets/20260101/train/abc"}
+PLAN = RunPlan(config_file="/tmp/cfg.yaml", dataset_version="20260101", run_id="r1", source_uri="s3://b/src",
+               store_uri="s3://b", enriched_uri="s3://b/datasets/20260101/enriched/abc",
+               train_ready_uri="s3://b/datasets/20260101/train/abc", run_uri="s3://b/runs/r1",
+               model_uri="s3://b/runs/r1/model", models_uri="s3://b/models", trainer_name="mft-train-r1")
 REPORT = {"page": "s3://b/datasets/20260101/report/abc/data/index.html", "headline": {
     "records_in": 300, "enriched": 286, "kept": 253, "rejected": {"filter:near_duplicate": 21},
     "tokens": {"train": 11937, "val": 2960}, "seq_len": 256, "val_documents": 48, "packing_efficiency": 0.9699}}

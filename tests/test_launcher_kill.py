@@ -20,6 +20,7 @@ from plugins.mft_airflow.operators import TrainOperator
 from plugins.mft_airflow.plan import resolve_plan
 from plugins.mft_airflow.settings import load_settings
 from tests.conftest import REPO
+from tests.test_dag_params import deployment_env
 
 log = logging.getLogger("test_launcher_kill")
 
@@ -108,11 +109,12 @@ def test_train_operator_on_kill_stops_torchrun_its_ranks_and_their_children(tmp_
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     store = tmp_path / "store"
     store.mkdir()
-    params = {"dataset_version": "v1", "run_id": "r1", "launcher": "local", "stages": ["enrich", "filter", "train"],
-              "config_overrides": {"pipeline.store_uri": uris.qualify(store),
-                                   "pipeline.staging_uri": uris.qualify(tmp_path / "staging")}}
-    plan = resolve_plan(params, dag_id="mistral_finetune", airflow_run_id="manual__kill", run_date=None, env={})
-    op = TrainOperator(task_id="train", settings=load_settings(env={}, train_module="tests.launcher_probe",
+    params = {"dataset_version": "v1", "run_id": "r1", "stages": ["enrich", "filter", "train"]}
+    # store and staging are deployment settings (MFT__ environment), never a trigger's
+    env = deployment_env({"pipeline.store_uri": uris.qualify(store),
+                          "pipeline.staging_uri": uris.qualify(tmp_path / "staging")})
+    plan = resolve_plan(params, dag_id="mistral_finetune", airflow_run_id="manual__kill", run_date=None, env=env)
+    op = TrainOperator(task_id="train", settings=load_settings(env={}, train_module="tests.launcher_probe", env_passthrough=("LAUNCHER_PROBE_DIR",),
                                                                 local_nproc_per_node=2))
     thread, errors = _start(lambda: op.execute({"ti": _TaskInstance(plan)}))
     pids = _wait_for_pids(tmp_path / "probe", 2, thread)  # 2 ranks, each with 2 children

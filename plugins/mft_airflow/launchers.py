@@ -38,8 +38,11 @@ CREDENTIAL_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TO
 ENV_ALLOWLIST = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV",
                  "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TOKENIZERS_PARALLELISM", "PYTHONUNBUFFERED",
                  "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "AWS_CA_BUNDLE", "AWS_DEFAULT_REGION", "AWS_REGION",
-                 "LD_LIBRARY_PATH")
-ENV_ALLOWED_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "CUDA_", "NCCL_", "NVIDIA_", "DS_", "LC_", "GLOO_")
+                 "LD_LIBRARY_PATH",
+                 # checkpoint signing key (training/checkpoints.py) and the attempt id: resume needs them
+                 "MFT_CHECKPOINT_HMAC_KEY", "MFT_CHECKPOINT_HMAC_KEY_FILE", "MFT_ATTEMPT_ID")
+ENV_ALLOWED_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "CUDA_", "NCCL_", "NVIDIA_", "DS_", "LC_", "GLOO_",
+                        "PYTORCH_", "NVSHMEM_")  # allocator settings; NVLink-multicast-off switches
 CONTAINER_CREDENTIALS = "/run/secrets/aws_credentials"
 
 

@@ -93,6 +93,7 @@ class _PlanStage:
     """What every stage operator shares: the plan, idempotency, assets and lineage."""
 
     stage: Stage
+    command_name = "the stage command"  # named in the error when it "succeeds" without committing
     input_field: str
     output_field: str
     outlets: Sequence[Any]
@@ -112,7 +113,10 @@ class _PlanStage:
     def _finish(self, context: Any, reused: bool) -> StageResult:
         plan = self._plan
         uri = getattr(plan, self.output_field)
-        manifest = self._manifest if reused else self._store.require(uri)
+        manifest = self._manifest if reused else self._store.manifest(uri)
+        if manifest is None:  # the command ended well but committed nothing: say which, and where
+            raise RuntimeError(f"{self.stage}: {self.command_name} exited with status 0 but committed no artifact "
+                               f"at {uri} (no _manifest.json); see the task log above for its output")
         self._manifest = manifest
         self.log.info("%s: %s %s counts=%s", self.stage, "reused" if reused else "committed", uri, manifest.counts)
         for outlet in self.outlets:
@@ -148,6 +152,7 @@ class SparkStageOperator(_PlanStage, SparkSubmitOperator):
 
     template_fields: Sequence[str] = SparkSubmitOperator.template_fields
     ui_color = "#fdf0e0"
+    command_name = "spark-submit"
 
     def __init__(self, *, stage: Stage, application: str, input_field: str, output_field: str,
                  settings: DeploySettings, **kwargs: Any):
@@ -184,6 +189,7 @@ class SparkStageOperator(_PlanStage, SparkSubmitOperator):
 
 
 class _TrainStage(_PlanStage):
+    command_name = "the training launcher"
     stage: Stage = "train"
     input_field = "train_ready_uri"
     output_field = "model_uri"
