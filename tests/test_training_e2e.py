@@ -226,8 +226,10 @@ def test_a_second_trainer_is_refused_while_the_first_pushes(setup):
     holder, and the first's checkpoints are untouched."""
     storage, tmp, env = setup["storage"], setup["tmp"], setup["env"]
     run_uri = uris.join(setup["store"], "runs", "contended")
+    cfg = setup["cfg"]  # planned far longer than the test lasts: it is surely still training (and is killed)
+    endless = load_config(overrides={**cfg.model_dump(), "train": {**cfg.train.model_dump(), "steps": 100_000}})
     with (tmp / "first.log").open("w") as log:
-        first = subprocess.Popen(_cmd(setup["input"], run_uri, setup["long_cfg_path"]), env=env, cwd=REPO,
+        first = subprocess.Popen(_cmd(setup["input"], run_uri, endless.dump(tmp / "endless.yaml")), env=env, cwd=REPO,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             for line in lines_within(first, timeout_s=300):  # TimeoutError if no push is seen
@@ -236,15 +238,19 @@ def test_a_second_trainer_is_refused_while_the_first_pushes(setup):
                     break
             else:
                 pytest.fail("first trainer ended early: " + (tmp / "first.log").read_text()[-3000:])
-            step4 = read_manifest(layout.checkpoint_uri(run_uri, 4), storage)
             second = subprocess.run(_cmd(setup["input"], run_uri, setup["cfg_path"]), env=env, cwd=REPO,
                                     capture_output=True, text=True, timeout=300)
             assert second.returncode != 0
             assert "LeaseHeld" in second.stdout + second.stderr
             assert "is being trained by" in second.stdout + second.stderr
             assert first.poll() is None, "the first trainer must go on"
-            assert read_manifest(layout.checkpoint_uri(run_uri, 4), storage).sha256 == step4.sha256
-            fetch_artifact(layout.checkpoint_uri(run_uri, 4), tmp / "contended-4", storage)  # verifies every file
+            refused = second.stdout + second.stderr
+            for write in ("committed", "quarantined", "pruned", "removing", "discarded", "pushing"):
+                assert write not in refused, f"the refused trainer wrote to the run ({write!r})"
+            # the first's newest checkpoint (it keeps pruning older ones) is intact: every file verifies
+            latest = read_latest(layout.checkpoints_uri(run_uri), storage)
+            assert latest is not None
+            fetch_artifact(latest, tmp / "contended-latest", storage)
         finally:
             _kill_tree(first)
 
