@@ -132,8 +132,10 @@ def check_varlen_attention() -> bool:
 def tiny_config(hidden=512, layers=2, vocab=32000, attn="torch_varlen", seq=1024):
     from transformers import MistralConfig
 
+    from training.kernels import register_attention
     from training.model import prepare_hf_config
 
+    register_attention(attn)
     cfg = MistralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
                         sliding_window=4096, tie_word_embeddings=False)
@@ -141,12 +143,14 @@ def tiny_config(hidden=512, layers=2, vocab=32000, attn="torch_varlen", seq=1024
 
 
 def check_liger_layer() -> bool:
-    from training.fast_kernels import apply_liger, fused_causal_lm_loss
+    from training.kernels import apply_fast_kernels
+    from training.loss import TokenMeanLoss, count_targets
     from training.model import (
         DecoderLayerPipe,
         LMHeadPipe,
         PackedAttentionContext,
         causal_lm_loss,
+        causal_lm_loss_sum,
         shift_targets,
     )
 
@@ -167,15 +171,16 @@ def check_liger_layer() -> bool:
         def __init__(self, *mods):
             super().__init__()
             self.mods = torch.nn.ModuleList(mods)
-            self.loss_fn = causal_lm_loss
+            self.loss_fn = TokenMeanLoss(causal_lm_loss_sum)
 
     holder = Holder(fast_layer, fast_head)
-    swapped = apply_liger(holder)
+    swapped = apply_fast_kernels("liger", holder, loss=holder.loss_fn)
     RESULTS["liger_swapped"] = swapped
     pos = packed_position_ids(2, 1024, [500, 300, 224], "cuda")
     x = torch.randn(2, 1024, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     labels = torch.randint(0, cfg.vocab_size, (2, 1024), device="cuda")
     targets = shift_targets(labels, pos)
+    holder.loss_fn.begin(count_targets(targets), 1, 1)  # one micro-batch: the token mean
 
     def run(layer, head, loss_fn):
         xi = x.clone().requires_grad_()
@@ -197,7 +202,7 @@ def check_liger_layer() -> bool:
     loss32 = causal_lm_loss(head32(h32), targets)
     loss32.backward()
     ref_out = run(ref_layer, ref_head, causal_lm_loss)
-    fast_out = run(fast_layer, fast_head, fused_causal_lm_loss)
+    fast_out = run(fast_layer, fast_head, holder.loss_fn)
     names = ("hidden", "loss", "grad_input", "grad_gate_proj", "grad_input_norm")
     want = (h32, loss32, xf.grad, ref32.mlp.gate_proj.weight.grad, ref32.input_layernorm.weight.grad)
     ok = True
@@ -214,6 +219,7 @@ def layer_lever_timings(micro_batch: int = 2, seq: int = 4096) -> dict:
     from transformers import MistralConfig
     from transformers.models.mistral import modeling_mistral
 
+    from training.kernels import apply_fast_kernels, register_attention
     from training.model import DecoderLayerPipe, PackedAttentionContext, prepare_hf_config
 
     base = MistralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -227,7 +233,7 @@ def layer_lever_timings(micro_batch: int = 2, seq: int = 4096) -> dict:
     causal = torch.arange(seq, device="cuda").repeat(micro_batch, 1)
     x = torch.randn(micro_batch, seq, 4096, device="cuda", dtype=torch.bfloat16)
     g = torch.randn_like(x)
-    flops = 6 * 218_112_000 * micro_batch * seq + 12 * 4096 * seq * micro_batch * seq  # issue's formula, one layer
+    flops = 6 * 218_112_000 * micro_batch * seq + 12 * 4096 * seq * micro_batch * seq  # 6N + 12hs, one layer
     original_rope = modeling_mistral.apply_rotary_pos_emb
     variants = [
         ("sdpa_dense_doc_mask", "sdpa", "none", packed),  # the trainer's reference (CPU) path
@@ -239,17 +245,14 @@ def layer_lever_timings(micro_batch: int = 2, seq: int = 4096) -> dict:
     out = {}
     for name, attn, kernels, pos in variants:
         try:
+            register_attention(attn)
             cfg = prepare_hf_config(base, attn, seq)
             ctx = PackedAttentionContext(cfg, attn)
             torch.manual_seed(0)
             with torch.device("cuda"):
                 layer = DecoderLayerPipe(cfg, 0, ctx).bfloat16()
             if kernels == "liger":
-                from training.fast_kernels import apply_liger
-
-                holder = torch.nn.ModuleList([layer])
-                holder.loss_fn = None
-                apply_liger(holder, fused_loss=False)
+                apply_fast_kernels("liger", torch.nn.ModuleList([layer]), loss=None)
             xi = x.clone().requires_grad_()
 
             def fwd_bwd(layer=layer, xi=xi, pos=pos):
@@ -295,6 +298,8 @@ def run_pipeline(out_dir: Path, steps: int, attention: str, kernels: str) -> boo
     from transformers import MistralForCausalLM
 
     from bench.train_throughput import RepeatingBatches, make_micro_batches
+    from training.kernels import apply_fast_kernels
+    from training.loss import StepBatches
     from training.model import build_pipeline_module, causal_lm_loss, pipe_layers
     from training.weights import load_stage_weights
 
@@ -316,10 +321,10 @@ def run_pipeline(out_dir: Path, steps: int, attention: str, kernels: str) -> boo
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        module = build_pipeline_module(cfg, num_stages=2, attention_backend=attention,
-                                       device=dev, fast_kernels=kernels)
+        module = build_pipeline_module(cfg, num_stages=2, attention_backend=attention, device=dev)
     finally:
         torch.set_default_dtype(old)
+    apply_fast_kernels(kernels, module, loss=module.loss_fn)
     load_stage_weights(pipe_layers(module), model_dir)
     ds_config = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": m, "bf16": {"enabled": True},
                  "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, "steps_per_print": 10**9}
@@ -328,7 +333,11 @@ def run_pipeline(out_dir: Path, steps: int, attention: str, kernels: str) -> boo
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, model_parameters=params, config=ds_config)
 
     batches = make_micro_batches(n=m, micro_batch=mb, seq_len=seq, vocab=cfg.vocab_size, docs="packed", seed=7)
-    pipe_loss = float(engine.eval_batch(RepeatingBatches(batches, pin=False)))
+
+    def steps_of(data):  # the trainer's token-mean loss: count each step's targets first
+        return StepBatches(data, module.loss_fn if engine.is_last_stage() else None, micro_batches=m, dp_size=1)
+
+    pipe_loss = float(engine.eval_batch(steps_of(RepeatingBatches(batches, pin=False)).next_step()))
     ok = True
     if rank == 0:
         # reference: the HF model in bf16, each packed document run on its own
@@ -342,17 +351,17 @@ def run_pipeline(out_dir: Path, steps: int, attention: str, kernels: str) -> boo
                     for s0, s1 in zip(starts, starts[1:], strict=False):
                         ids = b["input_ids"][row:row + 1, s0:s1].to(dev)
                         logits[row, s0:s1] = hf(input_ids=ids).logits[0]
-                losses.append(float(causal_lm_loss(logits, b["targets"].to(dev))))
-        hf_loss = sum(losses) / len(losses)
+                losses.append(float(causal_lm_loss(logits, b["targets"].to(dev))) * int((b["targets"] != -100).sum()))
+        hf_loss = sum(losses) / sum(int((b["targets"] != -100).sum()) for b in batches)  # token mean
         RESULTS["pipeline_eval_loss"], RESULTS["hf_doc_by_doc_loss"] = pipe_loss, hf_loss
         print(f"pipeline eval loss {pipe_loss:.5f} vs HF (bf16, doc by doc) {hf_loss:.5f}", flush=True)
         ok &= check("pipeline_vs_hf_loss_bf16", abs(pipe_loss - hf_loss) / abs(hf_loss), 1e-2)
 
     # learning: a fixed set of micro-batches is memorisable, so the loss must fall well below ln(V)
-    data = RepeatingBatches(batches, pin=cuda)
+    data = steps_of(RepeatingBatches(batches, pin=cuda))
     curve, t0 = [], time.perf_counter()
     for _ in range(steps):
-        curve.append(float(engine.train_batch(data_iter=data)))
+        curve.append(float(engine.train_batch(data_iter=data.next_step())))
     elapsed = time.perf_counter() - t0
     if rank == 0:
         first, last = sum(curve[:10]) / 10, sum(curve[-10:]) / 10

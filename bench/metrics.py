@@ -1,11 +1,11 @@
-"""Accounting for the throughput benchmark: model FLOPs, MFU, pipeline bubble, step statistics.
+"""Accounting for the throughput benchmark: MFU, pipeline bubble, step statistics.
 
-MFU follows the issue's definition (Megatron/PaLM style, counting every parameter and the full,
-non-causal attention score/value products):
+FLOPs per token come from ``training.flops`` (the trainer's own function), on the published
+convention: non-embedding N, full attention credit on plain causal rows,
 
-    MFU = tokens/s/GPU * (6 * N + 12 * L * hidden * seq_len) / 989e12
+    MFU = tokens/s/GPU * (6 * N + 12 * L * heads * head_dim * seq_len) / 989e12
 
-so a document-masked run gets no credit beyond a causal one for the attention it skips.
+Packed rows are reported as tokens/s and with document-aware FLOPs beside it.
 """
 
 from __future__ import annotations
@@ -13,54 +13,15 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from training.flops import ModelShape, flops_per_token
+
 H100_H200_BF16_DENSE_FLOPS = 989e12  # datasheet dense bf16 peak of one H100/H200 SXM
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    tie_embeddings: bool = False
-
-    @classmethod
-    def from_hf_config(cls, config) -> ModelShape:
-        return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    def num_parameters(self) -> int:
-        """All parameters (embedding and LM head included), as a Mistral model holds them."""
-        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
-        attn = 2 * h * h + 2 * h * kv
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h  # two RMSNorm weights
-        embed = self.vocab_size * h
-        head = 0 if self.tie_embeddings else self.vocab_size * h
-        return embed + self.num_layers * per_layer + h + head
-
-
 MISTRAL_7B = ModelShape(
-    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+    head_dim=128,
 )
-
-
-def flops_per_token(shape: ModelShape, seq_len: int) -> float:
-    """Training FLOPs per token by the issue's formula: 6 N + 12 L h s."""
-    return 6 * shape.num_parameters() + 12 * shape.num_layers * shape.hidden_size * seq_len
 
 
 def mfu(tokens_per_s_per_gpu: float, shape: ModelShape, seq_len: int, peak: float = H100_H200_BF16_DENSE_FLOPS) -> float:

@@ -1,10 +1,16 @@
-"""Training-throughput benchmark: the project's pipeline trainer vs two Hugging Face baselines.
+"""Training-throughput benchmark: the project's trainer vs strong Hugging Face baselines.
 
-One setup per process (the driver ``bench/run_gpu_bench.sh`` runs them all in one go):
+One setup per process (the drivers ``bench/run_trainer_bench.sh`` (1 GPU) and
+``bench/run_gpu_bench.sh`` (2 GPUs) run them in one go):
 
-  pipeline   the project's DeepSpeed PipelineModule (training/model.py), ZeRO-1, bf16, 1F1B;
-             launched with torchrun, one process per stage
-  hf_single  plain PyTorch on one GPU: HF MistralForCausalLM, bf16, fused AdamW, act. checkpointing
+  trainer    what users run: training/train.py's own Trainer.setup (plan, engine, client AdamW,
+             token-mean loss, fast kernels, fp32 gradient accumulation) and its data loader over a
+             real train-ready artifact written first; the steps are timed here
+  pipeline   the project's PipelineModule with a hand-built engine (the earlier harness; kept for
+             the 2-GPU levers)
+  hf_single  plain PyTorch on one GPU: HF MistralForCausalLM, fused AdamW, gradient accumulation;
+             ``--master fp32`` keeps fp32 weights under bf16 autocast, ``--hf-liger`` adds Liger,
+             ``--sliding-window none`` keeps SDPA on its flash kernel
   hf_zero2   DeepSpeed ZeRO-2 over all ranks with the HF model (torchrun)
 
 Weights are random and created on the device in bf16 (no download). Sequences are packed
@@ -31,16 +37,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.metrics import MISTRAL_7B, ModelShape, analytic_bubble, bubble_share, throughput_summary  # noqa: E402
 from bench.power import PowerMeter  # noqa: E402
 
-SETUPS = ("pipeline", "hf_single", "hf_zero2")
+SETUPS = ("trainer", "pipeline", "hf_single", "hf_zero2")
 
 
 # ----------------------------------------------------------------------------- config / data
-def mistral_config(model: str, seq_len: int, attn: str = "sdpa", sliding_window: str = "default"):
+def mistral_config(model: str, seq_len: int, attn: str = "sdpa", sliding_window: str = "default",
+                   layers: int | None = None):
     from transformers import MistralConfig
 
-    if model == "7b":  # Mistral-7B-v0.1's architecture
+    if model == "7b":  # Mistral-7B-v0.1's architecture (``layers``: a slice of it)
         cfg = MistralConfig(
-            vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+            vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers or 32,
             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
             rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096, tie_word_embeddings=False,
         )
@@ -172,10 +179,16 @@ class InstructionTimer:
 def build_hf_model(args, device: Device):
     from transformers import MistralForCausalLM
 
-    cfg = mistral_config(args.model, args.seq_len, attn=args.hf_attention, sliding_window=args.sliding_window)
+    cfg = mistral_config(args.model, args.seq_len, attn=args.hf_attention, sliding_window=args.sliding_window,
+                         layers=args.layers)
+    if args.hf_liger:  # patches transformers' Mistral classes for this process, before the model exists
+        from liger_kernel.transformers import apply_liger_kernel_to_mistral
+
+        apply_liger_kernel_to_mistral(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True,
+                                      cross_entropy=False)
     torch.manual_seed(args.seed)
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(torch.float32 if args.master == "fp32" else torch.bfloat16)
     try:
         with device.torch_device:
             model = MistralForCausalLM(cfg)
@@ -199,18 +212,24 @@ def setup_hf_single(args, device: Device):
     batches = [{k: v.to(device.torch_device) for k, v in b.items()} for b in batches]
     state = {"i": 0}
 
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.master == "fp32" and device.cuda)
+
     def step():
-        b = batches[state["i"] % len(batches)]
-        state["i"] += 1
-        kwargs = {"position_ids": b["position_ids"]} if args.hf_position_ids else {}
-        loss = model(input_ids=b["input_ids"], labels=b["labels"], **kwargs).loss
-        loss.backward()
+        for _ in range(args.grad_accum):
+            b = batches[state["i"] % len(batches)]
+            state["i"] += 1
+            kwargs = {"position_ids": b["position_ids"]} if args.hf_position_ids else {}
+            with autocast:
+                loss = model(input_ids=b["input_ids"], labels=b["labels"], **kwargs).loss
+            (loss / args.grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    tokens_per_step = args.micro_batch * args.seq_len
-    return step, tokens_per_step, cfg, {"micro_batch": args.micro_batch}, None
+    tokens_per_step = args.micro_batch * args.grad_accum * args.seq_len
+    return step, tokens_per_step, cfg, {"micro_batch": args.micro_batch, "grad_accum": args.grad_accum,
+                                        "master": args.master, "liger": args.hf_liger}, None
 
 
 def setup_hf_zero2(args, device: Device):
@@ -274,12 +293,15 @@ class RepeatingBatches:
 def setup_pipeline(args, device: Device):
     import deepspeed
 
+    from training.kernels import apply_fast_kernels, register_attention
+    from training.loss import StepBatches
     from training.model import build_pipeline_module, prepare_hf_config
 
     world = torch.distributed.get_world_size()
     if world % args.stages:
         raise ValueError(f"--stages={args.stages} does not divide the world size {world}")
-    base = mistral_config(args.model, args.seq_len)
+    base = mistral_config(args.model, args.seq_len, layers=args.layers)
+    register_attention(args.attention)
     cfg = prepare_hf_config(base, args.attention, args.seq_len)
     torch.manual_seed(args.seed)
     old = torch.get_default_dtype()
@@ -287,10 +309,11 @@ def setup_pipeline(args, device: Device):
     try:
         module = build_pipeline_module(
             cfg, num_stages=args.stages, partition_method=args.partition, attention_backend=args.attention,
-            activation_checkpoint_interval=args.act_ckpt, device=device.torch_device, fast_kernels=args.kernels,
+            activation_checkpoint_interval=args.act_ckpt, device=device.torch_device,
         )
     finally:
         torch.set_default_dtype(old)
+    apply_fast_kernels(args.kernels, module, loss=module.loss_fn)
     ds_config = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": args.grad_accum,
@@ -306,10 +329,12 @@ def setup_pipeline(args, device: Device):
     timer = InstructionTimer(engine, device)
     batches = make_micro_batches(n=8, micro_batch=args.micro_batch, seq_len=args.seq_len, vocab=cfg.vocab_size,
                                  docs=args.docs, seed=args.seed + engine.grid.data_parallel_id)
-    data = RepeatingBatches(batches, pin=device.cuda)
+    data = StepBatches(RepeatingBatches(batches, pin=device.cuda), module.loss_fn if engine.is_last_stage() else None,
+                       micro_batches=args.grad_accum, dp_size=world // args.stages,
+                       dp_group=engine.grid.get_data_parallel_group(), device=device.torch_device)
 
     def step():
-        return engine.train_batch(data_iter=data)
+        return engine.train_batch(data_iter=data.next_step())
 
     dp = world // args.stages
     tokens_per_step = args.micro_batch * args.grad_accum * args.seq_len * dp
@@ -322,12 +347,111 @@ def setup_pipeline(args, device: Device):
     return step, tokens_per_step, cfg, {**ds_config, "extra": extra}, timer
 
 
+def write_train_ready(root: Path, *, seq_len: int, rows: int, vocab: int, docs: str, seed: int) -> str:
+    """A committed train-ready artifact of random tokens (``docs``: one causal document per row,
+    or packed documents), published like the filter stage does, for the trainer's own loader."""
+    from pipeline_core import uris
+    from pipeline_core.artifacts import publish_artifact, read_manifest
+    from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo
+    from tests.training_helpers import write_rows
+
+    store = uris.qualify(root / "store")
+    uri = uris.join(store, "datasets", "bench", "train", f"{docs}-{seq_len}-{rows}-{vocab}")
+    if read_manifest(uri) is not None:
+        return uri
+    batches = make_micro_batches(n=rows, micro_batch=1, seq_len=seq_len, vocab=vocab, docs=docs, seed=seed)
+    table = [{"input_ids": b["input_ids"][0].tolist(), "labels": b["labels"][0].tolist(),
+              "position_ids": b["position_ids"][0].tolist()} for b in batches]
+    local = root / "ready" / f"{docs}-{seq_len}"
+    write_rows(local / "data" / "train" / "part-00000.parquet", table)
+    write_rows(local / "data" / "val" / "part-00000.parquet", table[:2])
+    info = TrainReadyInfo(seq_len=seq_len, tokenizer=TokenizerSpec(name="mistral-v1", vocab_size=vocab))
+    publish_artifact(local, uri, kind="train-ready", counts={"in": rows, "out": rows}, extra=info.to_extra())
+    return uri
+
+
+def save_random_model(cfg, out: Path, device: Device) -> Path:
+    from transformers import MistralForCausalLM
+
+    if (out / "config.json").exists():
+        return out
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with device.torch_device:
+            model = MistralForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(str(tmp), max_shard_size="4GB")
+    del model
+    os.replace(tmp, out)
+    return out
+
+
+def setup_trainer(args, device: Device):
+    """training/train.py's own setup and data path; only the step loop is the benchmark's."""
+    from pipeline_core import uris
+    from pipeline_core.config import load_config
+    from training import train
+
+    work = Path(args.work)
+    rank = torch.distributed.get_rank()
+    base = mistral_config(args.model, args.seq_len, sliding_window=args.sliding_window, layers=args.layers)
+    model_dir = work / f"model-{args.model}-{base.num_hidden_layers}L"
+    world = torch.distributed.get_world_size()
+    dp = world // args.stages
+    rows = args.micro_batch * args.grad_accum * dp * 4  # the loader cycles over 4 steps' worth
+    if rank == 0:
+        save_random_model(base, model_dir, device)
+        input_uri = write_train_ready(work, seq_len=args.seq_len, rows=rows, vocab=base.vocab_size, docs=args.docs,
+                                      seed=args.seed)
+    torch.distributed.barrier()
+    input_uri = write_train_ready(work, seq_len=args.seq_len, rows=rows, vocab=base.vocab_size, docs=args.docs,
+                                  seed=args.seed)  # committed by rank 0: returns its URI
+    cfg = load_config(overrides={
+        "pipeline.store_uri": uris.qualify(work / "store"), "pipeline.staging_uri": uris.qualify(work / "staging"),
+        "train.base_model": str(model_dir), "train.pipeline_stages": args.stages, "train.seq_len": args.seq_len,
+        "train.micro_batch_size": args.micro_batch, "train.gradient_accumulation_steps": args.grad_accum,
+        "train.steps": args.warmup + args.steps, "train.attention_backend": args.attention,
+        "train.fast_kernels": args.kernels, "train.grad_accum_dtype": args.grad_accum_dtype,
+        "train.activation_checkpoint_interval": args.act_ckpt, "train.precision": "bf16" if device.cuda else "fp32",
+        "train.learning_rate": 1e-5,
+    })
+    plan = train.make_plan(cfg, input_uri, uris.join(cfg.pipeline.store_uri, "runs", "bench-run"),
+                           world, device.cuda)
+    trainer = train.Trainer(plan)
+    trainer.setup(train.RunState(t0=time.time()))
+    engine = trainer.engine
+    batches = trainer._train_batches(0)
+    timer = InstructionTimer(engine, device)
+
+    def step():
+        return engine.train_batch(data_iter=batches.next_step())
+
+    tokens_per_step = args.micro_batch * args.grad_accum * args.seq_len * dp
+    extra = {
+        "stage": engine.stage_id, "analytic_bubble": analytic_bubble(args.stages, args.grad_accum),
+        "layers_on_stage": sum(1 for m in engine.module.modules() if type(m).__name__ == "DecoderLayerPipe"),
+        "params_on_stage": sum(p.numel() for p in engine.module.parameters()),
+        "resolved": {"precision": plan.settings.precision, "attention": plan.settings.attention_backend,
+                     "kernels": plan.settings.fast_kernels, "optimizer": type(engine.optimizer).__name__},
+    }
+    return step, tokens_per_step, plan.hf_config, {**plan.ds_config, "extra": extra}, timer
+
+
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setup", choices=SETUPS, required=True)
     p.add_argument("--label", default=None, help="row name in the results table")
     p.add_argument("--model", choices=("7b", "tiny"), default="7b")
+    p.add_argument("--layers", type=int, default=None, help="7b: decoder layers of the slice (default all 32)")
+    p.add_argument("--work", default="/dev/shm/mft-bench", help="trainer: model, artifact and staging directory")
+    p.add_argument("--grad-accum-dtype", choices=("fp32", "bf16"), default="fp32", help="trainer: train.grad_accum_dtype")
+    p.add_argument("--master", choices=("bf16", "fp32"), default="bf16",
+                   help="hf_single: pure bf16 weights, or fp32 master weights under bf16 autocast")
+    p.add_argument("--hf-liger", action="store_true", help="HF baselines: Liger kernels (apply_liger_kernel_to_mistral)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=1)
@@ -336,7 +460,7 @@ def parse_args(argv=None):
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--partition", default="type:DecoderLayerPipe")
     p.add_argument("--attention", default="torch_varlen", help="pipeline attention backend")
-    p.add_argument("--kernels", choices=("none", "liger"), default="none")
+    p.add_argument("--kernels", choices=("auto", "none", "liger"), default="none")
     p.add_argument("--act-ckpt", type=int, default=0, help="pipeline: checkpoint interval; HF: 0/1")
     p.add_argument("--hf-attention", default="sdpa")
     p.add_argument("--hf-position-ids", action="store_true", help="HF baselines: pass packed position_ids")
@@ -364,12 +488,13 @@ def init_distributed(device: Device) -> None:
 def run(args) -> dict | None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = Device(args.device, local_rank)
-    distributed = args.setup in ("pipeline", "hf_zero2")
+    distributed = args.setup in ("trainer", "pipeline", "hf_zero2")
     if distributed:
         init_distributed(device)
     rank = torch.distributed.get_rank() if distributed else 0
     t_setup = time.perf_counter()
-    builder = {"pipeline": setup_pipeline, "hf_single": setup_hf_single, "hf_zero2": setup_hf_zero2}[args.setup]
+    builder = {"trainer": setup_trainer, "pipeline": setup_pipeline, "hf_single": setup_hf_single,
+               "hf_zero2": setup_hf_zero2}[args.setup]
     step, tokens_per_step, cfg, settings, timer = builder(args, device)
     setup_s = time.perf_counter() - t_setup
 

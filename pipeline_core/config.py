@@ -220,15 +220,33 @@ class TrainSection(Section):
     checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints (the last step always saves one)")
     keep_last: int = Field(2, ge=1, le=1000, description="Checkpoints kept in the store")
     seed: int = 1234
-    precision: Literal["bf16", "fp32"] = Field("bf16", description="Mixed precision (bf16) or full fp32")
-    attention_backend: Literal["sdpa", "flex", "flash_varlen", "torch_varlen"] = Field(
-        "sdpa", description="sdpa: exact dense mask (CPU); flex: flex-attention document mask; flash_varlen: flash-attn; "
-        "torch_varlen: PyTorch's built-in FlashAttention-2 varlen kernel (GPU fast path, no extra package)"
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto", description="bf16 mixed precision (fp32 master weights) or full fp32; auto: bf16 on a GPU that has it "
+        "and on CPUs with bf16 instructions, else fp32 (bf16 on a CPU without them is ~8x slower)"
     )
-    fast_kernels: Literal["none", "liger"] = Field(
-        "none", description="GPU only: 'liger' swaps in fused RMSNorm/SwiGLU/RoPE and a fused linear+cross-entropy "
-        "loss (liger-kernel package); measured +19% tokens/s on 2xH200, see bench/RESULTS.md"
+    grad_accum_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype gradients are accumulated and reduced in under bf16 (fp32: DeepSpeed's "
+        "pipeline-aware BF16 optimizer, needs ZeRO stage 1; bf16 saves 2 bytes/parameter, loses precision)"
     )
+    attention_backend: Literal["auto", "sdpa", "flex", "flash_varlen", "torch_varlen"] = Field(
+        "auto", description="sdpa: exact dense mask (CPU); flex: flex-attention document mask; flash_varlen: flash-attn; "
+        "torch_varlen: PyTorch's built-in FlashAttention-2 varlen kernel (GPU fast path, no extra package); "
+        "auto: torch_varlen on a GPU, sdpa on CPU"
+    )
+    fast_kernels: Literal["auto", "none", "liger"] = Field(
+        "auto", description="GPU only: 'liger' swaps in fused RMSNorm/SwiGLU/RoPE and a fused linear+cross-entropy "
+        "loss (liger-kernel package); auto: liger on a GPU when importable (and verify_parity is off), else none"
+    )
+    lr_schedule: Literal["linear", "cosine", "constant"] | None = Field(
+        None, description="After the linear warm-up: linear decay to 0 (WarmupDecayLR), cosine decay "
+        "(WarmupCosineLR) or constant (WarmupLR), DeepSpeed's own schedulers; None: the ds_config file's "
+        "scheduler (the bundled one: linear)"
+    )
+    eval_every: int = Field(0, ge=0, description="Steps between validations (0: only at the end); the best "
+                            "validation loss's checkpoint is tagged in the report")
+    max_bad_steps: int = Field(3, ge=1, description="Stop after this many non-finite steps in a row (each is skipped)")
+    io_timeout_s: int = Field(3600, ge=60, description="Timeout of the CPU side group the ranks wait on while rank 0 "
+                              "fetches the dataset, base weights and checkpoint (NCCL keeps its own short timeout)")
     activation_checkpoint_interval: int = Field(0, ge=0, description="Decoder layers per checkpointed block; 0 = off")
     ds_config: str | None = Field(None, description="DeepSpeed JSON (path or file:// URI); default training/ds_config.json")
     eval_batches: int = Field(8, ge=0, description="Validation micro-batches per data-parallel rank (0 = skip eval)")

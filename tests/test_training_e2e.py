@@ -90,6 +90,7 @@ def setup(tmp_path_factory, s3_server):
         "train.keep_last": 2, "train.precision": "fp32", "train.learning_rate": 2e-3, "train.warmup_steps": 1,
         "train.verify_parity": True, "train.eval_batches": 2, "train.ds_config": str(ds_path),
         "train.lease_ttl_s": 6,  # the killed run's lease expires quickly (a live one is renewed every 2 s)
+        "train.eval_every": 6,
     })
     cfg_path = cfg.dump(tmp / "config.yaml")
     # The run that gets killed is planned longer, so that it is surely still training when the
@@ -121,6 +122,13 @@ def test_reference_run_learns_exports_and_reports(setup, reference):
     assert summary["parity_export_max_abs_diff"] <= 1e-5
     assert summary["eval_loss"] < losses[1] and summary["eval_perplexity"] > 1
     assert (tmp / "ref-report" / "data" / "loss_curve.png").stat().st_size > 1000
+    # periodic validation (train.eval_every=6) and the final one, token-weighted, in eval.csv
+    evals = read_csv(tmp / "ref-report" / "data" / "eval.csv")
+    assert [int(r["step"]) for r in evals] == [6, STEPS]
+    assert all(r["eval_target_tokens"] > 0 and r["eval_loss"] > 0 for r in evals)
+    assert summary["eval_loss"] == evals[-1]["eval_loss"]
+    assert summary["best_eval_step"] in (6, STEPS) and summary["skipped_steps"] == 0
+    assert summary["best_checkpoint"] in (None, layout.checkpoint_uri(run_uri, STEPS))
 
     # checkpoints: on S3, committed, LATEST -> newest, only keep_last=2 left
     assert read_latest(layout.checkpoints_uri(run_uri), storage) == layout.checkpoint_uri(run_uri, STEPS)

@@ -148,39 +148,37 @@ def fused_lm_head_forward(self, hidden_states):
     return hidden_states, self.lm_head.weight
 
 
-def fused_causal_lm_loss(outputs, targets: torch.Tensor) -> torch.Tensor:
-    """``model.causal_lm_loss`` without materialised logits: mean CE over targets != -100
-    (already shifted), 0 for a micro-batch without targets."""
+def fused_causal_lm_loss_sum(outputs, targets: torch.Tensor) -> torch.Tensor:
+    """``model.causal_lm_loss_sum`` without materialised logits: summed CE over targets != -100
+    (already shifted); 0 for a micro-batch without targets."""
     hidden, weight = outputs
-    loss_sum = _liger().flce(
+    return _liger().flce(
         hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1).long(),
         ignore_index=IGNORE_INDEX, reduction="sum",
     )
-    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-    return loss_sum / count
 
 
-def apply_liger(pipeline_module: nn.Module, *, fused_loss: bool = True) -> dict[str, int]:
+def apply_liger(pipeline_module: nn.Module, *, decoder_cls: type, head_cls: type, loss=None) -> dict[str, int]:
     """Swap Liger kernels into the local stage of a built pipeline module (before weights load or
-    after: parameters are reused, not copied). Returns what was swapped, for the log."""
+    after: parameters are reused, not copied). ``decoder_cls``/``head_cls`` name the layer types
+    (this module does not import the model); ``loss`` is the stage's ``TokenMeanLoss``, whose
+    summed CE becomes the fused one (None: keep logits). Returns what was swapped, for the log."""
     from transformers.models.mistral import modeling_mistral
-
-    from training.model import DecoderLayerPipe, LMHeadPipe
 
     lk = _liger()
     # RoPE is a module-level function in transformers; the swap applies to this process.
     modeling_mistral.apply_rotary_pos_emb = lk.rope
     swapped = {"rms_norm": 0, "swiglu": 0, "fused_loss": 0}
     for layer in pipeline_module.modules():
-        if isinstance(layer, DecoderLayerPipe):
+        if isinstance(layer, decoder_cls):
             for name in ("input_layernorm", "post_attention_layernorm"):
                 old = getattr(layer, name)
                 setattr(layer, name, FusedRMSNorm(old.weight, old.variance_epsilon))
                 swapped["rms_norm"] += 1
             layer.mlp = FusedSwiGLUMLP(layer.mlp)
             swapped["swiglu"] += 1
-        elif isinstance(layer, LMHeadPipe) and fused_loss:
+        elif isinstance(layer, head_cls) and loss is not None:
             layer.forward = types.MethodType(fused_lm_head_forward, layer)
-            pipeline_module.loss_fn = fused_causal_lm_loss
+            loss.sum_fn = fused_causal_lm_loss_sum
             swapped["fused_loss"] += 1
     return swapped

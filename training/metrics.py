@@ -11,7 +11,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu")
+FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "target_tokens", "skipped")
+EVAL_FIELDS = ("step", "eval_loss", "eval_perplexity", "eval_micro_batches", "eval_target_tokens")
 
 # dense bf16 peak TFLOPS per device, by name fragment
 _KNOWN_PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
@@ -28,23 +29,15 @@ def peak_tflops(configured: float | None) -> float | None:
     return next((v for k, v in _KNOWN_PEAKS.items() if k in name), None)
 
 
-def flops_per_token(config, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x non-embedding params + attention (PaLM appendix B)."""
-    h, layers, inter = config.hidden_size, config.num_hidden_layers, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or h // config.num_attention_heads
-    kv = config.num_key_value_heads * head_dim
-    per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter  # q,o + k,v + gate,up,down
-    params = layers * per_layer + h * config.vocab_size  # + lm head
-    return 6.0 * params + 12.0 * layers * h * seq_len
-
-
 class MetricsLog:
     """Rank-0 sink: appends one CSV row per step (kept across resumes) and TensorBoard scalars."""
 
     def __init__(self, csv_path: Path, tb_dir: Path | None):
         self.csv_path = csv_path
+        self.eval_path = csv_path.with_name("eval.csv")
         csv_path.parent.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, Any]] = read_csv(csv_path) if csv_path.exists() else []
+        self.eval_rows: list[dict[str, Any]] = read_csv(self.eval_path) if self.eval_path.exists() else []
         self._tb = None
         if tb_dir is not None:
             try:
@@ -57,38 +50,56 @@ class MetricsLog:
     def truncate(self, last_step: int) -> None:
         """Drop rows after the restored checkpoint (steps that are about to be redone)."""
         self.rows = [r for r in self.rows if int(r["step"]) <= last_step]
-        self._rewrite()
+        self.eval_rows = [r for r in self.eval_rows if int(r["step"]) <= last_step]
+        _write(self.csv_path, FIELDS, self.rows)
+        _write(self.eval_path, EVAL_FIELDS, self.eval_rows)
 
-    def _rewrite(self) -> None:
-        with self.csv_path.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            w.writeheader()
-            w.writerows(self.rows)
-
-    def add(self, row: dict[str, Any]) -> None:
+    def add(self, row: dict[str, Any], eta_s: float | None = None) -> None:
         row = {k: row.get(k) for k in FIELDS}
         self.rows.append(row)
-        new = not self.csv_path.exists()
-        with self.csv_path.open("a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                w.writeheader()
-            w.writerow(row)
+        _append(self.csv_path, FIELDS, row)
         if self._tb is not None:
             for k in FIELDS[1:]:
                 if row[k] is not None:
                     self._tb.add_scalar(f"train/{k}", float(row[k]), int(row["step"]))
-        log.info("step %d loss %s lr %.3g grad_norm %s tokens/s %.1f%s", row["step"], row["loss"], row["lr"],
+        log.info("step %d loss %s lr %.3g grad_norm %s tokens/s %.1f%s%s%s", row["step"], row["loss"], row["lr"],
                  _fmt(row["grad_norm"]), row["tokens_per_s"],
-                 "" if row["mfu"] is None else f" mfu {row['mfu']:.3f}")
+                 "" if row["mfu"] is None else f" mfu {row['mfu']:.3f}",
+                 "" if eta_s is None else f" eta {_duration(eta_s)}", " SKIPPED" if row["skipped"] else "")
 
-    def scalar(self, tag: str, value: float, step: int) -> None:
+    def add_eval(self, row: dict[str, Any]) -> None:
+        row = {k: row.get(k) for k in EVAL_FIELDS}
+        self.eval_rows.append(row)
+        _append(self.eval_path, EVAL_FIELDS, row)
         if self._tb is not None:
-            self._tb.add_scalar(tag, value, step)
+            self._tb.add_scalar("eval/loss", float(row["eval_loss"]), int(row["step"]))
+            self._tb.add_scalar("eval/perplexity", float(row["eval_perplexity"]), int(row["step"]))
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def _write(path: Path, fields, rows) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _append(path: Path, fields, row) -> None:
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        if new:
+            w.writeheader()
+        w.writerow(row)
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
 def _fmt(v) -> str:

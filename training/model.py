@@ -42,7 +42,6 @@ ATTENTION_BACKENDS: dict[str, str] = {
     # PyTorch's built-in FlashAttention-2 varlen kernel (no flash_attn package), see fast_kernels.py
     "torch_varlen": "mft_torch_varlen",
 }
-FAST_KERNELS = ("none", "liger")
 
 
 # ----------------------------------------------------------------------------- packing helpers
@@ -105,17 +104,22 @@ def shift_targets(labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Ten
     return targets
 
 
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over targets != -100 (already shifted, see ``shift_targets``).
-    A micro-batch without any target gives 0 rather than NaN."""
-    loss_sum = F.cross_entropy(
+def causal_lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over targets != -100 (already shifted, see ``shift_targets``): the
+    per-micro-batch part of the token-mean step loss (training/loss.py)."""
+    return F.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]),
         targets.reshape(-1).long(),
         ignore_index=IGNORE_INDEX,
         reduction="sum",
     )
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over one micro-batch's targets (a reference for checks; the trainer's
+    step loss is ``loss.TokenMeanLoss``). A micro-batch without any target gives 0, not NaN."""
     count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-    return loss_sum / count
+    return causal_lm_loss_sum(logits, targets) / count
 
 
 # ----------------------------------------------------------------------------- attention context
@@ -251,10 +255,7 @@ def prepare_hf_config(config: MistralConfig, attention_backend: str, seq_len: in
     # A window at least as long as the sequence is a no-op; dropping it keeps flash kernels mask-free.
     if cfg.sliding_window is not None and cfg.sliding_window >= seq_len:
         cfg.sliding_window = None
-    if attention_backend == "torch_varlen":
-        from training.fast_kernels import register_torch_varlen_attention
-
-        register_torch_varlen_attention()
+    # custom backends (torch_varlen) are registered with transformers by training/kernels.py
     cfg._attn_implementation = ATTENTION_BACKENDS[attention_backend]
     cfg.use_cache = False
     return cfg
@@ -280,17 +281,19 @@ def build_pipeline_module(
     partition_method: str = "type:DecoderLayerPipe",
     attention_backend: str = "sdpa",
     activation_checkpoint_interval: int = 0,
-    loss_fn: Callable = causal_lm_loss,
+    loss_fn: Callable | None = None,
     device: str | torch.device | None = None,
-    fast_kernels: str = "none",
 ):
     """The PipelineModule (needs torch.distributed initialised). Parameters are created directly
     on ``device`` so a stage never holds other stages' layers, nor a CPU copy of its own.
-    ``fast_kernels="liger"`` swaps fused GPU kernels in (see fast_kernels.py; names unchanged)."""
+    ``loss_fn`` defaults to the token-mean loss; fused kernels are swapped in afterwards by
+    ``training.kernels.apply_fast_kernels`` (names unchanged)."""
     from deepspeed.pipe import PipelineModule
 
-    if fast_kernels not in FAST_KERNELS:
-        raise ValueError(f"train.fast_kernels: unknown {fast_kernels!r}, expected one of {list(FAST_KERNELS)}")
+    from training.loss import TokenMeanLoss
+
+    if loss_fn is None:
+        loss_fn = TokenMeanLoss(causal_lm_loss_sum)
     with torch.device(device or "cpu"):
         module = PipelineModule(
             layers=layer_specs(config, attention_backend),
@@ -301,10 +304,6 @@ def build_pipeline_module(
             # never checkpoint the embedding (its int input has no grad under reentrant checkpointing)
             checkpointable_layers=["DecoderLayerPipe"],
         )
-    if fast_kernels == "liger":
-        from training.fast_kernels import apply_liger
-
-        apply_liger(module, fused_loss=loss_fn is causal_lm_loss)
     return module
 
 

@@ -4,10 +4,12 @@
         --input <train-ready artifact URI> --output <store>/runs/<run_id> --config resolved.yaml
 
 Everything that can be checked without weights (config, world size vs stages, sequence length vs
-the model, the input artifact) is checked first. Then: resume from the newest verifiable
-checkpoint in the store, train with ``engine.train_batch``, push checkpoints in the background,
-evaluate on the validation split, export a Hugging Face model and publish ``model/`` and
-``report/`` under the run. Re-running a finished run is a no-op.
+the model, the input artifact and its tokenizer vs the model's vocabulary) is checked first. Then
+the phases of ``Trainer.run``: setup (inputs and base weights fetched on a gloo side group whose
+timeout is sized to the transfer, never inside an NCCL collective; engine), resume (newest
+verifiable checkpoint in the store, data position included), fit (``engine.train_batch`` with the
+token-mean loss, periodic validation, checkpoints pushed in the background), evaluate, export and
+publish ``model/`` and ``report/`` under the run. Re-running a finished run is a no-op.
 """
 
 from __future__ import annotations
@@ -21,33 +23,47 @@ import random
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script by torchrun/deepspeed
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
-import torch
+# Fewer allocator splits near full memory; read at the first CUDA allocation, so set before it.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-from pipeline_core import layout, uris
-from pipeline_core.artifacts import fetch_artifact, publish_artifact, read_manifest
-from pipeline_core.config import PROJECT_ROOT, Config, ConfigError, load_config
-from training import checkpoints as ckpt
-from training.data import COLUMNS, MicroBatches, ShardSet, columns_for, split_files
-from training.lease import RunLease, attempt_id
-from training.metrics import MetricsLog, flops_per_token, peak_tflops, write_report
-from training.model import build_pipeline_module, pipe_layers, prepare_hf_config
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from pipeline_core import layout, uris  # noqa: E402
+from pipeline_core.artifacts import fetch_artifact, publish_artifact, read_manifest  # noqa: E402
+from pipeline_core.config import PROJECT_ROOT, Config, ConfigError, load_config  # noqa: E402
+from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo  # noqa: E402
+from training import checkpoints as ckpt  # noqa: E402
+from training.data import COLUMNS, MicroBatches, ShardSet, columns_for, split_files  # noqa: E402
+from training.flops import ModelShape, flops_per_token  # noqa: E402
+from training.kernels import apply_fast_kernels, register_attention  # noqa: E402
+from training.lease import RunLease, attempt_id  # noqa: E402
+from training.loss import StepBatches, TokenMeanLoss  # noqa: E402
+from training.metrics import MetricsLog, peak_tflops, write_report  # noqa: E402
+from training.model import build_pipeline_module, pipe_layers, prepare_hf_config  # noqa: E402
+from training.optim import OptimizerConfigError, build_ds_config, build_optimizer  # noqa: E402
+from training.runtime import Settings, resolve_settings  # noqa: E402
 
 log = logging.getLogger("training.train")
 
-DEFAULT_DS_CONFIG = Path(__file__).with_name("ds_config.json")
 TINY_CACHE = PROJECT_ROOT / ".cache" / "models"
 
 
 class TrainConfigError(ValueError):
     """Invalid training setup, detected before any weights load."""
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite steps in a row (train.max_bad_steps)."""
 
 
 @dataclass
@@ -63,6 +79,8 @@ class Plan:
     base_config: Any  # the base model's own config (what the export carries)
     ds_config: dict[str, Any]
     staging: Path
+    settings: Settings
+    tokenizer: TokenizerSpec | None = None  # what the train-ready artifact was rendered with
 
 
 # ----------------------------------------------------------------------------- validation
@@ -83,32 +101,22 @@ def base_model_config(base_model: str):
         raise TrainConfigError(f"train.base_model: cannot load a model config from {base_model!r}: {e}") from None
 
 
-def build_ds_config(cfg: Config, dp: int, on_gpu: bool) -> dict[str, Any]:
-    t = cfg.train
-    path = uris.to_local_path(t.ds_config) if t.ds_config else DEFAULT_DS_CONFIG
-    if not path.is_file():
-        raise TrainConfigError(f"train.ds_config: {path} does not exist")
-    ds = json.loads(path.read_text())
-    zero = ds.get("zero_optimization", {}).get("stage", 0)
-    if zero > 1:
-        raise TrainConfigError(f"train.ds_config: zero_optimization.stage={zero}; pipeline parallelism supports 0 or 1")
-    ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
-    ds["gradient_accumulation_steps"] = t.gradient_accumulation_steps
-    ds["train_batch_size"] = t.micro_batch_size * t.gradient_accumulation_steps * dp
-    ds["bf16"] = {**ds.get("bf16", {}), "enabled": t.precision == "bf16"}
-    ds.pop("fp16", None)
-    opt = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
-    opt.setdefault("params", {})["lr"] = t.learning_rate
-    if not on_gpu:
-        opt["params"]["torch_adam"] = True  # FusedAdam needs CUDA
-    sched = ds.setdefault("scheduler", {"type": "WarmupDecayLR", "params": {}})
-    if sched.get("type") in ("WarmupLR", "WarmupDecayLR"):
-        sched.setdefault("params", {}).update(warmup_max_lr=t.learning_rate, warmup_num_steps=t.warmup_steps)
-    if sched.get("type") == "WarmupDecayLR":
-        sched["params"]["total_num_steps"] = max(t.steps, t.warmup_steps + 1)
-    ds.setdefault("pipeline", {})["activation_checkpoint_interval"] = t.activation_checkpoint_interval
-    ds["steps_per_print"] = ds.get("steps_per_print", 10**9)
-    return ds
+def check_tokenizer(spec: TokenizerSpec, base_config, base_model: str) -> None:
+    """The data's token ids must mean what the model's embedding rows mean: same vocabulary size
+    and special ids (e.g. ``mistral-v3`` data on a 32000-vocab v0.1 model is refused)."""
+    model_ids = {"vocab": base_config.vocab_size, "bos": getattr(base_config, "bos_token_id", None),
+                 "eos": getattr(base_config, "eos_token_id", None)}
+    data_ids = {"vocab": spec.vocab_size, "bos": spec.bos_id, "eos": spec.eos_id}
+    bad = [k for k in data_ids if data_ids[k] is not None and model_ids[k] is not None and data_ids[k] != model_ids[k]]
+    if bad:
+        def show(ids):
+            return ", ".join(f"{k} {ids[k]}" for k in ("vocab", "bos", "eos"))
+
+        raise TrainConfigError(
+            f"the input artifact was tokenized with {spec.name!r} ({show(data_ids)}) but train.base_model "
+            f"{base_model!r} has {show(model_ids)}: re-run the filter with a filter.tokenizer that matches the "
+            "model, or train a base model with this vocabulary"
+        )
 
 
 def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_gpu: bool) -> Plan:
@@ -121,9 +129,11 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
             f"train.pipeline_stages={t.pipeline_stages} does not divide the world size {world_size} "
             "(world size = data parallel x pipeline stages)"
         )
+    settings = resolve_settings(t, on_gpu)
     base_config = base_model_config(t.base_model)
     try:
-        hf_config = prepare_hf_config(base_config, t.attention_backend, t.seq_len)
+        register_attention(settings.attention_backend)
+        hf_config = prepare_hf_config(base_config, settings.attention_backend, t.seq_len)
     except ValueError as e:
         raise TrainConfigError(str(e)) from None
     n_layers = hf_config.num_hidden_layers + 3
@@ -136,7 +146,12 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
         raise TrainConfigError(f"--input {input_uri}: is a {manifest.kind!r} artifact, expected 'train-ready'")
     if not any(f["path"].startswith("data/train/") for f in manifest.files):
         raise TrainConfigError(f"--input {input_uri}: artifact has no data/train/*.parquet files")
-    art_seq = (manifest.extra or {}).get("seq_len") or (manifest.config.get("filter") or {}).get("seq_len")
+    info = train_ready_info(manifest)
+    if info is not None:
+        art_seq = info.seq_len
+        check_tokenizer(info.tokenizer, base_config, t.base_model)
+    else:  # manifests committed before the typed hand-off
+        art_seq = (manifest.extra or {}).get("seq_len") or (manifest.config.get("filter") or {}).get("seq_len")
     if art_seq is not None and int(art_seq) != t.seq_len:
         raise TrainConfigError(f"train.seq_len={t.seq_len} but the input artifact is packed to seq_len={art_seq}")
     dp = world_size // t.pipeline_stages
@@ -146,35 +161,43 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
         raise TrainConfigError(str(e)) from None
     # per attempt: a zombie attempt and its retry never share (or wipe) each other's files
     staging = uris.to_local_path(layout.staging_dir(cfg, "runs", run_id)) / "attempts" / attempt_id()
+    try:
+        ds_config = build_ds_config(t, dp, settings)
+    except OptimizerConfigError as e:
+        raise TrainConfigError(str(e)) from None
     return Plan(cfg, input_uri, run_uri, run_id, world_size, t.pipeline_stages, dp, hf_config, base_config,
-                build_ds_config(cfg, dp, on_gpu), staging)
+                ds_config, staging, settings, info.tokenizer if info else None)
+
+
+def train_ready_info(manifest) -> TrainReadyInfo | None:
+    from pydantic import ValidationError
+
+    try:
+        return TrainReadyInfo.from_manifest(manifest)
+    except ValidationError:
+        return None
 
 
 # ----------------------------------------------------------------------------- helpers
-def resolve_base_model(base_model: str, local_rank: int) -> Path:
-    """Local directory with the base weights; node-local rank 0 fetches/builds, the others wait."""
-    import torch.distributed as dist
-
-    from training.tiny import ensure_tiny_model
-    from training.weights import resolve_model_dir
-
-    def get() -> Path:
-        return ensure_tiny_model(TINY_CACHE) if base_model == "tiny" else resolve_model_dir(base_model)
-
-    if local_rank == 0:
-        path = get()
-    dist.barrier()
-    if local_rank != 0:
-        path = get()
-    return path
-
-
-def broadcast(obj, src: int = 0):
+def broadcast(obj, src: int = 0, group=None):
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def gather_all(value, group=None) -> list:
+    import torch.distributed as dist
+
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def gather_value(value, group=None):
+    """The one non-None value (e.g. the last stage's), on every rank."""
+    return next((v for v in gather_all(value, group) if v is not None), None)
 
 
 @torch.no_grad()
@@ -183,6 +206,8 @@ def logits_vs_hf(engine, probe: dict[str, torch.Tensor] | None, model_dir: Path,
     batch = None
     if probe is not None:
         batch = ((probe["input_ids"], probe["position_ids"]), probe["targets"])
+    if engine.is_last_stage():
+        engine.module.loss_fn.begin(1, 1, 1)  # the loss value is not used here
     _, logits = engine.eval_batch(iter([batch]), return_logits=True, num_micro_batches=1)
     if not engine.is_last_stage():
         return None
@@ -193,11 +218,6 @@ def logits_vs_hf(engine, probe: dict[str, torch.Tensor] | None, model_dir: Path,
     ref = hf(input_ids=probe["input_ids"].cpu(), position_ids=probe["position_ids"].cpu(), use_cache=False).logits
     del hf
     return float((logits.float().cpu() - ref.float()).abs().max())
-
-
-def gather_value(value):
-    """The one non-None value (e.g. the last stage's), on every rank."""
-    return next((v for v in gather_all(value) if v is not None), None)
 
 
 # ----------------------------------------------------------------------------- main
@@ -213,8 +233,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
-                        )
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
@@ -231,198 +250,360 @@ def main(argv=None) -> int:
             lease.release()
 
 
+# ----------------------------------------------------------------------------- the trainer
+@dataclass(frozen=True)
+class Role:
+    """This rank's place in the job: who fetches, who holds data, who logs."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    stage: int
+    first: bool  # holds the embedding: needs input_ids
+    last: bool  # holds the head: needs labels, computes the loss
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def has_data(self) -> bool:
+        return self.first or self.last
+
+
+@dataclass
+class BadSteps:
+    """Non-finite steps: each one is skipped by the optimizer; ``limit`` in a row stop the run."""
+
+    limit: int
+    total: int = 0
+    in_a_row: int = 0
+
+    def record(self, step: int, bad: bool) -> None:
+        if not bad:
+            self.in_a_row = 0
+            return
+        self.total += 1
+        self.in_a_row += 1
+        log.warning("step %d: non-finite loss or gradients, update skipped (%d in a row)", step, self.in_a_row)
+        if self.in_a_row >= self.limit:
+            raise TrainingDiverged(
+                f"{self.in_a_row} non-finite steps in a row (last: step {step}) reached train.max_bad_steps="
+                f"{self.limit}: lower train.learning_rate, check the data, or resume from an earlier checkpoint")
+
+
+@dataclass
+class RunState:
+    """What the phases hand each other."""
+
+    t0: float
+    start_step: int = 0
+    position: int = 0
+    restored: Any = None  # ckpt.Restored
+    summary: dict[str, Any] = field(default_factory=dict)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+
+
 class Trainer:
     def __init__(self, plan: Plan, lease: RunLease | None = None):
         self.plan = plan
         self.lease = lease  # rank 0's hold on runs/<run_id>/: every store write of the run checks it
+        self.ckpt_key: bytes | None = None  # checkpoint signing key (rank 0)
         self.cfg = plan.cfg
         self.t = plan.cfg.train
         self.storage = plan.cfg.storage
-
-    # -- setup
-    def _init_dist(self) -> None:
-        import deepspeed
-        import torch.distributed as dist
-
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu":
-            torch.cuda.set_device(self.local_rank)
-            self.device = torch.device("cuda", self.local_rank)
-        else:
-            self.device = torch.device("cpu")
-        deepspeed.init_distributed(dist_backend="nccl" if self.device.type == "cuda" else "gloo")
-        self.rank = dist.get_rank()
-
-    def _prepare_staging(self) -> None:
-        import torch.distributed as dist
-
-        run_staging = self.plan.staging.parent.parent
-        if self.rank == 0:  # holds the lease: earlier attempts are dead; push what they saved, drop the rest
-            self.ckpt_key = ckpt.hmac_key(self.cfg.pipeline.staging_uri)
-            ckpt.prepare_attempt(run_staging, self.plan.staging, self.plan.run_uri, self.storage, key=self.ckpt_key,
-                                 keep_last=self.t.keep_last, lease=self.lease)
-        dist.barrier()
-        if self.local_rank == 0:
-            self.plan.staging.mkdir(parents=True, exist_ok=True)
-            (run_staging / "input").mkdir(parents=True, exist_ok=True)
-            if not (self.plan.staging / "input").is_symlink():  # the verified input is shared by the run's attempts
-                (self.plan.staging / "input").symlink_to(run_staging / "input", target_is_directory=True)
-            fetch_artifact(self.plan.input_uri, self.plan.staging / "input", self.storage, prefix="data/")
-        dist.barrier()
+        self.settings = plan.settings
+        self.dtype = torch.bfloat16 if plan.settings.bf16 else torch.float32
 
     def run(self) -> int:
+        import torch.distributed as dist
+
+        state = RunState(t0=time.time())
+        self.setup(state)
+        self.resume(state)
+        self.fit(state)
+        final = self.evaluate(self.t.steps)
+        state.summary.update({k: v for k, v in final.items() if k != "step"})
+        self.export_and_publish(state)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+
+    # ---------------------------------------------------------------- setup
+    def setup(self, state: RunState) -> None:
         import deepspeed
         import torch.distributed as dist
 
         from training.weights import load_stage_weights
 
-        t0 = time.time()
-        self._init_dist()
         plan, t = self.plan, self.t
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.settings.on_gpu:
+            torch.cuda.set_device(local_rank)
+            device = torch.device("cuda", local_rank)
+        else:
+            device = torch.device("cpu")
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+        # Long transfers wait on this CPU group, whose timeout is sized to them; the NCCL group
+        # keeps its short timeout for compute collectives.
+        self.io_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=t.io_timeout_s))
+        log.info("settings: precision=%s attention_backend=%s fast_kernels=%s grad_accum_dtype=%s device=%s",
+                 self.settings.precision, self.settings.attention_backend, self.settings.fast_kernels,
+                 t.grad_accum_dtype if self.settings.bf16 else "fp32", device)
         torch.manual_seed(t.seed)
         np.random.seed(t.seed)
         random.seed(t.seed)
-        self._prepare_staging()
-        model_dir = resolve_base_model(t.base_model, self.local_rank)
+        self.model_dir = self._fetch_inputs(dist.get_rank(), local_rank)
 
         pipe = build_pipeline_module(
             plan.hf_config, num_stages=plan.stages, partition_method=t.partition_method,
-            attention_backend=t.attention_backend, activation_checkpoint_interval=t.activation_checkpoint_interval,
-            device=self.device, fast_kernels=t.fast_kernels,
+            attention_backend=self.settings.attention_backend,
+            activation_checkpoint_interval=t.activation_checkpoint_interval, device=device,
         )
-        n = load_stage_weights(pipe_layers(pipe), model_dir)
-        log.info("stage %d: loaded %d base tensors from %s", pipe.stage_id, n, model_dir)
-        engine, _, _, _ = deepspeed.initialize(
-            model=pipe, model_parameters=[p for p in pipe.parameters() if p.requires_grad], config=plan.ds_config
-        )
-        self.engine = engine
-        first, last = engine.is_first_stage(), engine.is_last_stage()
-        dp_rank, dp_size = engine.grid.get_data_parallel_rank(), engine.grid.get_data_parallel_world_size()
+        self.loss: TokenMeanLoss = pipe.loss_fn
+        swapped = apply_fast_kernels(self.settings.fast_kernels, pipe, loss=self.loss)
+        if swapped:
+            log.info("stage %d: fast kernels %s: %s", pipe.stage_id, self.settings.fast_kernels, swapped)
+        n = load_stage_weights(pipe_layers(pipe), self.model_dir)
+        log.info("stage %d: loaded %d base tensors from %s", pipe.stage_id, n, self.model_dir)
+        optimizer = build_optimizer(pipe, plan.ds_config, device)
+        ds = {k: v for k, v in plan.ds_config.items() if k != "optimizer"}  # the client optimizer is used
+        engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=ds)
+        self.engine, self.optimizer = engine, optimizer
+        self.role = Role(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(),
+                         stage=engine.stage_id, first=engine.is_first_stage(), last=engine.is_last_stage(),
+                         dp_rank=engine.grid.get_data_parallel_rank(),
+                         dp_size=engine.grid.get_data_parallel_world_size(), device=device)
+        self.val_files = split_files(plan.staging / "input", "val")
+        state.summary.update(run=plan.run_uri, input=plan.input_uri, precision=self.settings.precision,
+                             attention_backend=self.settings.attention_backend,
+                             fast_kernels=self.settings.fast_kernels,
+                             grad_accum_dtype=t.grad_accum_dtype if self.settings.bf16 else "fp32",
+                             optimizer_wrapper=type(engine.optimizer).__name__)
 
-        # ---- resume
+    def _fetch_inputs(self, rank: int, local_rank: int) -> Path:
+        """Rank 0 fetches the dataset while each node's local rank 0 fetches the base weights, in
+        parallel, then everyone meets on the side group (no NCCL collective is pending)."""
+        from training.tiny import ensure_tiny_model
+        from training.weights import resolve_model_dir
+
+        plan, base = self.plan, self.t.base_model
+
+        def get_model() -> Path:
+            return ensure_tiny_model(TINY_CACHE) if base == "tiny" else resolve_model_dir(base)
+
+        def get_data() -> None:
+            # rank 0 holds the lease: earlier attempts are dead; push what they saved, drop the rest
+            run_staging = plan.staging.parent.parent
+            self.ckpt_key = ckpt.hmac_key(self.cfg.pipeline.staging_uri)
+            ckpt.prepare_attempt(run_staging, plan.staging, plan.run_uri, self.storage, key=self.ckpt_key,
+                                 keep_last=self.t.keep_last, lease=self.lease)
+            plan.staging.mkdir(parents=True, exist_ok=True)
+            (run_staging / "input").mkdir(parents=True, exist_ok=True)
+            if not (plan.staging / "input").is_symlink():  # the verified input is shared by the run's attempts
+                (plan.staging / "input").symlink_to(run_staging / "input", target_is_directory=True)
+            fetch_artifact(plan.input_uri, plan.staging / "input", self.storage, prefix="data/")
+
+        model_dir = None
+        with ThreadPoolExecutor(2) as pool:
+            data = pool.submit(get_data) if rank == 0 else None
+            model = pool.submit(get_model) if local_rank == 0 else None
+            if data is not None:
+                data.result()
+            if model is not None:
+                model_dir = model.result()
+        import torch.distributed as dist
+
+        dist.barrier(group=self.io_group)
+        return model_dir if model_dir is not None else get_model()  # cached by now: no transfer
+
+    # ---------------------------------------------------------------- resume
+    def resume(self, state: RunState) -> None:
+        """The one place checkpoints are read (all ``ckpt.*`` resume calls live here)."""
+        plan, role, engine = self.plan, self.role, self.engine
         restored = None
-        if self.rank == 0:
+        if role.is_rank0:
             contract = ckpt.resume_contract(self.cfg.model_dump(mode="json"), plan.input_uri, self.storage,
-                                            t.resume_across_changes)
+                                            self.t.resume_across_changes)
             restored = ckpt.fetch_newest_valid(plan.run_uri, self.storage, plan.staging / "resume", contract=contract,
                                                key=self.ckpt_key, lease=self.lease)
             ckpt.discard_after(plan.run_uri, self.storage, restored.step if restored else 0,
                                restored.uri if restored else None, lease=self.lease)
-        restored = broadcast(restored)
-        start_step, position = 0, 0
+        restored = broadcast(restored, group=self.io_group)  # the download may take long: side group
         if restored is not None:
             _, client = engine.load_checkpoint(str(restored.local_dir), tag=ckpt.TAG, load_optimizer_states=True,
                                                load_lr_scheduler_states=True)
             if client is None:
                 raise RuntimeError(f"DeepSpeed could not load checkpoint {restored.uri}")
-            start_step, position = int(client["step"]), int(client["data_position"])
-            ckpt.load_rng(restored.local_dir / ckpt.TAG, self.rank)
-            log.info("resumed from %s: step %d, data position %d", restored.uri, start_step, position)
+            state.start_step, state.position = int(client["step"]), int(client["data_position"])
+            ckpt.load_rng(restored.local_dir / ckpt.TAG, role.rank)
+            log.info("resumed from %s: step %d, data position %d", restored.uri, state.start_step, state.position)
+        state.restored = restored
+        state.summary["resumed_from_step"] = state.start_step
 
-        # ---- data
-        inp = plan.staging / "input"
-        train_iter = None
-        if first or last:
-            shards = ShardSet(split_files(inp, "train"), t.seq_len, columns_for(first, last))
-            train_iter = MicroBatches(shards, micro_batch=t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                                      seed=t.seed, position=position, need_inputs=first, need_labels=last,
-                                      device=self.device)
-        val_files = split_files(inp, "val")
-
-        metrics = None
-        report_dir = plan.staging / "report" / "data"
-        if self.rank == 0:
-            report_dir.mkdir(parents=True, exist_ok=True)
-            csv_path = report_dir / "metrics.csv"
+        self.metrics = None
+        self.report_dir = plan.staging / "report" / "data"
+        if role.is_rank0:
+            self.report_dir.mkdir(parents=True, exist_ok=True)
+            csv_path = self.report_dir / "metrics.csv"
             csv_path.unlink(missing_ok=True)
-            if restored is not None and (restored.local_dir / ckpt.TAG / "metrics.csv").exists():
-                shutil.copy(restored.local_dir / ckpt.TAG / "metrics.csv", csv_path)
-            metrics = MetricsLog(csv_path, report_dir / "tensorboard")
-            metrics.truncate(start_step)
+            for name in ("metrics.csv", "eval.csv"):
+                saved = restored.local_dir / ckpt.TAG / name if restored is not None else None
+                if saved is not None and saved.exists():
+                    shutil.copy(saved, self.report_dir / name)
+            self.metrics = MetricsLog(csv_path, self.report_dir / "tensorboard")
+            self.metrics.truncate(state.start_step)
 
-        summary: dict[str, Any] = {"run": plan.run_uri, "input": plan.input_uri, "resumed_from_step": start_step}
-        probe = self._probe(val_files, first, last) if t.verify_parity else None
-        dtype = torch.float32 if t.precision == "fp32" else torch.bfloat16
-        if t.verify_parity and restored is None:
-            diff = gather_value(logits_vs_hf(engine, probe, model_dir, dtype))
-            summary["parity_base_max_abs_diff"] = diff
-            log.info("parity vs transformers (base model): max |diff| = %.3g", diff)
-            self._check_parity(diff, "base model")
-
-        uploader = None
-        if self.rank == 0:
-            uploader = ckpt.CheckpointUploader(
+        self.uploader = None
+        if role.is_rank0:
+            t = self.t
+            self.uploader = ckpt.CheckpointUploader(
                 plan.run_uri, self.storage,
                 ckpt.PushPolicy(t.keep_last, t.max_failed_pushes, t.max_pending_pushes, t.push_backoff_s),
                 config=self.cfg.model_dump(mode="json"), inputs=[plan.input_uri], key=self.ckpt_key, lease=self.lease)
 
-        # ---- train
+    # ---------------------------------------------------------------- fit
+    def _train_batches(self, position: int) -> StepBatches:
+        t, role = self.t, self.role
+        source = None
+        if role.has_data:
+            shards = ShardSet(split_files(self.plan.staging / "input", "train"), t.seq_len,
+                              columns_for(role.first, role.last))
+            source = MicroBatches(shards, micro_batch=t.micro_batch_size, dp_rank=role.dp_rank, dp_size=role.dp_size,
+                                  seed=t.seed, position=position, need_inputs=role.first, need_labels=role.last,
+                                  device=role.device)
+        return StepBatches(source, self.loss if role.last else None, micro_batches=t.gradient_accumulation_steps,
+                           dp_size=role.dp_size, dp_group=self.engine.grid.get_data_parallel_group(),
+                           device=role.device)
+
+    def fit(self, state: RunState) -> None:
+        plan, t, role, engine = self.plan, self.t, self.role, self.engine
+        probe = self._probe() if t.verify_parity else None
+        self.probe = probe
+        if t.verify_parity and state.restored is None:
+            diff = gather_value(logits_vs_hf(engine, probe, self.model_dir, self.dtype))
+            state.summary["parity_base_max_abs_diff"] = diff
+            log.info("parity vs transformers (base model): max |diff| = %.3g", diff)
+            self._check_parity(diff, "base model")
+
+        batches = self._train_batches(state.position)
         tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * plan.dp * t.seq_len
-        fpt = flops_per_token(plan.hf_config, t.seq_len)
-        peak = peak_tflops(t.peak_tflops) if self.device.type == "cuda" else None
+        fpt = flops_per_token(ModelShape.from_hf_config(plan.hf_config), t.seq_len)
+        peak = peak_tflops(t.peak_tflops) if role.device.type == "cuda" else None
+        bad = BadSteps(t.max_bad_steps)
+        if role.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         train_t0 = time.time()
-        for step in range(start_step + 1, t.steps + 1):
+        for step in range(state.start_step + 1, t.steps + 1):
             t_step = time.time()
-            loss = engine.train_batch(data_iter=train_iter)
+            loss = float(engine.train_batch(data_iter=batches.next_step()))
             dt = time.time() - t_step
             grad_norm = engine.get_global_grad_norm()
-            if metrics is not None:
+            grad_norm = None if grad_norm is None else float(grad_norm)
+            skipped = self._step_was_skipped(loss, grad_norm)
+            bad.record(step, skipped)
+            targets = gather_value(self.loss.targets if role.last and role.dp_rank == 0 else None)
+            if self.metrics is not None:
+                done, left = step - state.start_step, t.steps - step
                 tps = tokens_per_step / dt
-                metrics.add({
-                    "step": step, "loss": float(loss), "lr": engine.get_lr()[0],
-                    "grad_norm": None if grad_norm is None else float(grad_norm), "tokens_per_s": tps,
-                    "step_time_s": dt, "mfu": None if peak is None else fpt * tps / (peak * 1e12 * plan.world_size),
-                })
+                self.metrics.add({
+                    "step": step, "loss": loss, "lr": engine.get_lr()[0], "grad_norm": grad_norm,
+                    "tokens_per_s": tps, "step_time_s": dt, "target_tokens": targets, "skipped": int(skipped),
+                    "mfu": None if peak is None else fpt * tps / (peak * 1e12 * plan.world_size),
+                }, eta_s=(time.time() - train_t0) / done * left)
+            if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                state.evals.append(self.evaluate(step))
             if step % t.checkpoint_every == 0 or step == t.steps:
-                self._save_checkpoint(step, step * t.gradient_accumulation_steps, uploader, metrics)
-        summary["train_time_s"] = time.time() - train_t0
-        summary["steps_run"] = t.steps - start_step
+                self._save_checkpoint(step, step * t.gradient_accumulation_steps)
+        state.summary.update(train_time_s=time.time() - train_t0, steps_run=t.steps - state.start_step,
+                             skipped_steps=bad.total, tokens_per_step=tokens_per_step,
+                             flops_per_token=fpt)
+        if role.device.type == "cuda":
+            peaks = gather_all(torch.cuda.max_memory_allocated() / 2**30)
+            state.summary["peak_memory_gib"] = max(peaks)
 
-        # ---- eval
-        summary.update(self._evaluate(val_files, first, last, dp_rank, dp_size, metrics))
+    def _step_was_skipped(self, loss: float, grad_norm: float | None) -> bool:
+        """Non-finite steps are skipped by the optimizer (ours, or DeepSpeed's BF16 optimizer on an
+        invalid global norm); the loss is the same on every rank, the norm is global."""
+        inner = getattr(self.engine.optimizer, "overflow", False) or self.optimizer.last_skipped
+        return bool(inner) or not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
 
-        # ---- export
-        export_dir = self._export(model_dir, dtype)
+    # ---------------------------------------------------------------- evaluate
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Token-weighted loss and perplexity over a shuffled sample of the whole val split (every
+        file), the same sample at every evaluation so values compare across steps."""
+        t, role = self.t, self.role
+        if not self.val_files or t.eval_batches == 0:
+            log.warning("no validation split or train.eval_batches=0: skipping evaluation")
+            return {"eval_loss": None, "eval_perplexity": None}
+        source, n_batches = None, t.eval_batches
+        if role.has_data:
+            shards = ShardSet(self.val_files, t.seq_len, columns_for(role.first, role.last))
+            source = MicroBatches(shards, micro_batch=t.micro_batch_size, dp_rank=role.dp_rank, dp_size=role.dp_size,
+                                  seed=t.seed, shuffle=True, need_inputs=role.first, need_labels=role.last,
+                                  device=role.device)
+            n_batches = min(n_batches, source.per_epoch)
+        n_batches = min(v for v in gather_all(n_batches) if v is not None)
+        batches = StepBatches(source, self.loss if role.last else None, micro_batches=n_batches,
+                              dp_size=role.dp_size, dp_group=self.engine.grid.get_data_parallel_group(),
+                              device=role.device)
+        loss = float(self.engine.eval_batch(batches.next_step(), num_micro_batches=n_batches))
+        targets = gather_value(self.loss.targets if role.last and role.dp_rank == 0 else None)
+        ppl = math.exp(min(loss, 50.0))
+        log.info("validation at step %d: loss %.4f perplexity %.2f (%d micro-batches per replica, %s targets)",
+                 step, loss, ppl, n_batches, targets)
+        row = {"step": step, "eval_loss": loss, "eval_perplexity": ppl, "eval_micro_batches": n_batches,
+               "eval_target_tokens": targets}
+        if self.metrics is not None:
+            self.metrics.add_eval(row)
+        return row
+
+    # ---------------------------------------------------------------- export / publish
+    def export_and_publish(self, state: RunState) -> None:
+        plan, t, role = self.plan, self.t, self.role
+        summary = state.summary
+        export_dir = self._export()
         if t.verify_parity:
-            diff = gather_value(logits_vs_hf(engine, probe, export_dir / "data", dtype))
+            diff = gather_value(logits_vs_hf(self.engine, self.probe, export_dir / "data", self.dtype))
             summary["parity_export_max_abs_diff"] = diff
             log.info("parity vs transformers (exported model): max |diff| = %.3g", diff)
             self._check_parity(diff, "exported model")
+        if not role.is_rank0:
+            return
+        self.uploader.close()  # every checkpoint is in the store before the run is declared done
+        rows = self.metrics.rows
+        summary.update(best_eval(self.metrics.eval_rows, plan.run_uri, t.checkpoint_every, t.steps))
+        self.metrics.close()
+        summary.update(
+            steps=t.steps, checkpoints_pushed=self.uploader.pushed, world_size=plan.world_size,
+            pipeline_stages=plan.stages, data_parallel=plan.dp, wall_time_s=time.time() - state.t0,
+            final_train_loss=rows[-1]["loss"] if rows else None,
+            mean_step_time_s=float(np.mean([r["step_time_s"] for r in rows[1:]] or [math.nan])),
+        )
+        write_report(self.report_dir, rows, summary)
+        (self.report_dir / "ds_config.json").write_text(json.dumps(plan.ds_config, indent=2, sort_keys=True))
+        cfg_json = self.cfg.model_dump(mode="json")
+        self.lease.check()  # a trainer that lost its run's lease publishes nothing
+        publish_artifact(export_dir, layout.model_uri(plan.run_uri), kind="model", config=cfg_json,
+                         inputs=[plan.input_uri], counts={}, extra={"format": "huggingface", "step": t.steps},
+                         storage=self.storage)
+        publish_artifact(self.report_dir.parent, layout.report_uri(plan.run_uri), kind="report", config=cfg_json,
+                         inputs=[plan.input_uri], counts={}, extra={k: summary.get(k) for k in
+                         ("eval_loss", "eval_perplexity", "final_train_loss")}, storage=self.storage)
+        log.info("run complete: %s", json.dumps({k: summary.get(k) for k in
+                 ("final_train_loss", "eval_loss", "eval_perplexity", "mean_step_time_s", "skipped_steps")}))
 
-        if self.rank == 0:
-            uploader.close()  # every checkpoint is in the store before the run is declared done
-            rows = metrics.rows
-            metrics.close()
-            summary.update(
-                steps=t.steps, checkpoints_pushed=uploader.pushed, world_size=plan.world_size,
-                pipeline_stages=plan.stages, data_parallel=plan.dp, precision=t.precision,
-                tokens_per_step=tokens_per_step, wall_time_s=time.time() - t0,
-                final_train_loss=rows[-1]["loss"] if rows else None,
-                mean_step_time_s=float(np.mean([r["step_time_s"] for r in rows[1:]] or [math.nan])),
-            )
-            write_report(report_dir, rows, summary)
-            cfg_json = self.cfg.model_dump(mode="json")
-            self.lease.check()
-            publish_artifact(export_dir, layout.model_uri(plan.run_uri), kind="model", config=cfg_json,
-                             inputs=[plan.input_uri], counts={}, extra={"format": "huggingface", "step": t.steps},
-                             storage=self.storage)
-            publish_artifact(report_dir.parent, layout.report_uri(plan.run_uri), kind="report", config=cfg_json,
-                             inputs=[plan.input_uri], counts={}, extra={k: summary.get(k) for k in
-                             ("eval_loss", "eval_perplexity", "final_train_loss")}, storage=self.storage)
-            log.info("run complete: %s", json.dumps({k: summary.get(k) for k in
-                     ("final_train_loss", "eval_loss", "eval_perplexity", "mean_step_time_s")}))
-        dist.barrier()
-        dist.destroy_process_group()
-        return 0
-
-    # -- pieces
-    def _probe(self, val_files, first: bool, last: bool) -> dict[str, torch.Tensor] | None:
+    # ---------------------------------------------------------------- pieces
+    def _probe(self) -> dict[str, torch.Tensor] | None:
         """A fixed validation micro-batch with every column (for the parity check)."""
-        if not (first or last):
+        if not self.role.has_data:
             return None
-        files = val_files or split_files(self.plan.staging / "input", "train")
+        files = self.val_files or split_files(self.plan.staging / "input", "train")
         it = MicroBatches(ShardSet(files, self.t.seq_len, COLUMNS), micro_batch=self.t.micro_batch_size,
-                          dp_rank=0, dp_size=1, seed=0, shuffle=False, device=self.device)
+                          dp_rank=0, dp_size=1, seed=0, shuffle=False, device=self.role.device)
         (ids, pos), targets = next(it)
         return {"input_ids": ids, "position_ids": pos, "targets": targets}
 
@@ -431,41 +612,24 @@ class Trainer:
             raise RuntimeError(f"pipeline logits differ from transformers' ({what}) by {diff:.3g} > "
                                f"train.parity_tolerance={self.t.parity_tolerance}")
 
-    def _save_checkpoint(self, step: int, position: int, uploader, metrics) -> None:
+    def _save_checkpoint(self, step: int, position: int) -> None:
+        """The one place checkpoints are written (the ``ckpt`` upload seam)."""
         import torch.distributed as dist
 
         local = self.plan.staging / "checkpoints" / f"step-{step}"
         self.engine.save_checkpoint(str(local), tag=ckpt.TAG, save_latest=False,
                                     client_state={"step": step, "data_position": position})
-        ckpt.save_rng(local / ckpt.TAG, self.rank)
-        if metrics is not None:
-            shutil.copy(metrics.csv_path, local / ckpt.TAG / "metrics.csv")
+        ckpt.save_rng(local / ckpt.TAG, self.role.rank)
+        if self.metrics is not None:
+            shutil.copy(self.metrics.csv_path, local / ckpt.TAG / "metrics.csv")
+            if self.metrics.eval_path.exists():
+                shutil.copy(self.metrics.eval_path, local / ckpt.TAG / "eval.csv")
         dist.barrier()  # every rank's files are on disk before the push starts
-        if uploader is not None:
+        if self.uploader is not None:
             ckpt.check_all_ranks(local, self.plan.world_size)
-            uploader.submit(step, local, {"data_position": position})  # raises once pushing failed for good
+            self.uploader.submit(step, local, {"data_position": position})  # raises once pushing failed for good
 
-    def _evaluate(self, val_files, first, last, dp_rank, dp_size, metrics) -> dict[str, Any]:
-        t = self.t
-        if not val_files or t.eval_batches == 0:
-            log.warning("no validation split or train.eval_batches=0: skipping evaluation")
-            return {"eval_loss": None, "eval_perplexity": None}
-        it = None
-        n_batches = t.eval_batches
-        if first or last:
-            shards = ShardSet(val_files, t.seq_len, columns_for(first, last))
-            it = MicroBatches(shards, micro_batch=t.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=0,
-                              shuffle=False, need_inputs=first, need_labels=last, device=self.device)
-            n_batches = min(n_batches, it.per_epoch)
-        n_batches = min(v for v in gather_all(n_batches) if v is not None)
-        loss = float(self.engine.eval_batch(it, num_micro_batches=n_batches))
-        ppl = math.exp(min(loss, 50.0))
-        log.info("validation: loss %.4f perplexity %.2f (%d micro-batches per pipeline)", loss, ppl, n_batches)
-        if metrics is not None:
-            metrics.scalar("eval/loss", loss, t.steps)
-        return {"eval_loss": loss, "eval_perplexity": ppl, "eval_micro_batches": n_batches}
-
-    def _export(self, model_dir: Path, dtype: torch.dtype) -> Path:
+    def _export(self) -> Path:
         """Every stage's dp-rank-0 writes its shard; rank 0 adds index/config/tokenizer."""
         import torch.distributed as dist
 
@@ -474,22 +638,28 @@ class Trainer:
         out = self.plan.staging / "export"
         data = out / "data"
         part = None
-        if self.engine.grid.get_data_parallel_rank() == 0:
-            part = save_stage_shard(pipe_layers(self.engine.module), data, self.engine.stage_id,
-                                    self.plan.stages, dtype)
+        if self.role.dp_rank == 0:
+            part = save_stage_shard(pipe_layers(self.engine.module), data, self.role.stage, self.plan.stages,
+                                    self.dtype)
         parts = gather_all(part)
-        if self.rank == 0:
-            finish_export(data, [p for p in parts if p], model_dir, self.plan.base_config, dtype)
+        if self.role.is_rank0:
+            chat_template = self.plan.tokenizer.chat_template if self.plan.tokenizer else None
+            finish_export(data, [p for p in parts if p], self.model_dir, self.plan.base_config, self.dtype,
+                          chat_template=chat_template)
         dist.barrier()
         return out
 
 
-def gather_all(value) -> list:
-    import torch.distributed as dist
-
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
+def best_eval(rows: list[dict[str, Any]], run_uri: str, checkpoint_every: int, last_step: int) -> dict[str, Any]:
+    """The lowest validation loss and, when a checkpoint was saved at that step, its URI."""
+    rows = [r for r in rows if r.get("eval_loss") is not None]
+    if not rows:
+        return {}
+    best = min(rows, key=lambda r: r["eval_loss"])
+    step = int(best["step"])
+    saved = step % checkpoint_every == 0 or step == last_step
+    return {"best_eval_loss": best["eval_loss"], "best_eval_step": step,
+            "best_checkpoint": layout.checkpoint_uri(run_uri, step) if saved else None}
 
 
 if __name__ == "__main__":

@@ -94,8 +94,10 @@ def save_stage_shard(modules, out_dir: Path, stage_id: int, num_stages: int, dty
 
 
 def finish_export(out_dir: Path, weight_maps: list[dict[str, str]], base_dir: Path, config: MistralConfig,
-                  dtype: torch.dtype) -> None:
-    """Index + config + generation config + tokenizer next to the shards (one rank calls this)."""
+                  dtype: torch.dtype, chat_template: str | None = None) -> None:
+    """Index + config + generation config + tokenizer next to the shards (one rank calls this).
+    ``chat_template``: the template the training data was rendered with (from the train-ready
+    manifest), so ``apply_chat_template``, vLLM and TGI reproduce the training format."""
     merged: dict[str, str] = {}
     for part in weight_maps:
         merged.update(part)
@@ -120,6 +122,8 @@ def finish_export(out_dir: Path, weight_maps: list[dict[str, str]], base_dir: Pa
         gen = GenerationConfig.from_model_config(export_cfg)
     gen.save_pretrained(str(out_dir))
     copy_tokenizer(base_dir, out_dir)
+    if chat_template is not None:
+        set_chat_template(out_dir, chat_template)
 
 
 def _numel(shape) -> int:
@@ -141,3 +145,14 @@ def copy_tokenizer(base_dir: Path, out_dir: Path) -> None:
         raise FileNotFoundError(f"no tokenizer files in base model {base_dir}")
     for name in copied:
         shutil.copy2(base_dir / name, out_dir / name)
+
+
+def set_chat_template(out_dir: Path, chat_template: str) -> None:
+    """tokenizer_config.json's ``chat_template`` and chat_template.jinja (which transformers
+    prefers when present) both become the training template."""
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    cfg["chat_template"] = chat_template
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+    (out_dir / "chat_template.jinja").write_text(chat_template)
+    (out_dir / "chat_template.json").unlink(missing_ok=True)
