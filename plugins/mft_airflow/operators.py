@@ -179,9 +179,12 @@ class SparkStageOperator(_PlanStage, SparkSubmitOperator):
         self.stage, self.input_field, self.output_field = stage, input_field, output_field
 
     def execute(self, context: Any) -> dict[str, Any]:
-        _, committed = self._begin(context)
+        plan, committed = self._begin(context)
         if committed is None:
             super().execute(context)
+        else:
+            self.log.info("%s: artifact %s is already committed; nothing to do", self.stage,
+                          getattr(plan, self.output_field))
         return self._finish(context, reused=committed is not None).model_dump()
 
 
