@@ -135,8 +135,10 @@ def test_rerun_does_no_work_and_another_config_is_refused(sample_run, monkeypatc
     def no_spark(*a, **k):
         raise AssertionError("a committed artifact must not start Spark")
 
-    monkeypatch.setattr(enrich, "spark_session", no_spark)
-    monkeypatch.setattr(enrich, "staging_for", no_spark)
+    from spark_jobs import common
+
+    monkeypatch.setattr(common, "spark_session", no_spark)
+    monkeypatch.setattr(common, "attempt_staging", no_spark)
     again = enrich.run(uris.qualify(SAMPLE), out, cfg)
     assert again.sha256 == sample_run["manifest"].sha256
     assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before
