@@ -201,11 +201,16 @@ def test_rerun_is_a_noop_and_other_config_conflicts(filtered, spark):
 # from the formula, so a formula change cannot be mirrored on both sides of an assertion.
 GOLDEN_KEYS = [sha256_hex(t) for t in ("", "a", "What is 2+2?", "system\u0001\u0003user\u0001what is the capital of france?")]
 GOLDEN = [(1234, 0.3, ["val", "train", "train", "train"]), (7, 0.5, ["val", "val", "train", "train"])]
+GOLDEN_FRACTIONS = {1234: [0.09885728637029256, 0.3831277152748094, 0.7566032774513096, 0.5770742676013287],
+                    7: [0.2809037369788716, 0.2737250290644011, 0.5212814426125336, 0.7243710546227924]}
 
 
 def test_split_rule_golden_vectors():
+    from spark_jobs.split import split_fraction
+
     for seed, frac, want in GOLDEN:
         assert [split_of(k, seed, frac) for k in GOLDEN_KEYS] == want
+        assert [split_fraction(k, seed) for k in GOLDEN_KEYS] == GOLDEN_FRACTIONS[seed]
     conv = build_conversation([{"role": "user", "content": "What is  the capital of \uff26\uff32\uff21\uff2e\uff23\uff25?"},
                                {"role": "assistant", "content": "Paris"}], None, None, ConversationOptions())
     assert sha256_hex(prompt_text(conv)) == GOLDEN_KEYS[3]  # NFKC + white space + case folding
