@@ -188,3 +188,33 @@ def test_context_units_keep_structure():
     assert split_units("{not json\nbut prose. Yes.") == ["{not json", "but prose.", "Yes."]
     big = "A sentence about Dr. Who, e.g. a film, and 3.5 km. " * 30000  # ~1.2 MB in one paragraph: linear (bench/segment_bench.py)
     assert len(split_units(big)) == 30000
+
+
+def test_relevant_prompt_context_keeps_question_relevant_units_in_order_inside_the_system_turn():
+    """`prompt_context: relevant` on a 20-unit reference document, scored by real MiniLM against the
+    question only: the units kept are the relevant ones, in document order, verbatim (the code block
+    whole), still in the system turn."""
+    import numpy as np
+
+    from spark_jobs.render_docs import reduce_context
+    from tests.filter_helpers import embed
+
+    filler = [f"The {w} festival in the old town attracts many visitors every summer." for w in
+              ("music", "film", "food", "wine", "jazz", "book", "flower", "lantern", "kite", "boat", "cheese",
+               "dance", "poetry", "chess", "sand", "tea", "glass")]
+    relevant = ["Python lists are reversed in place with the reverse method.",
+                "```python\nitems = [1, 2, 3]\nitems.reverse()\n```",
+                "Slicing with items[::-1] returns a reversed copy of a Python list."]
+    units = filler[:5] + relevant[:1] + filler[5:10] + relevant[1:2] + filler[10:13] + relevant[2:] + filler[13:]
+    assert len(units) == 20
+    system = "\n".join(units)
+    question = "How do I reverse a Python list?"
+    scores = (embed(units) @ embed([question])[0]).tolist()
+    messages = [m("system", system), m("user", question), m("assistant", "Use items.reverse() or items[::-1].")]
+    tok = load_tokenizer("mistral-v1")
+    out = reduce_context(messages, units, [0] * len(units), scores, tok, budget=50, top_k=3)
+    assert out[0]["role"] == "system" and out[0]["content"] == "\n".join(relevant)  # in document order
+    assert out[1:] == messages[1:]
+    assert int(np.argmax(scores)) in (5, 11, 17)
+    short = reduce_context(messages, units, [0] * len(units), scores, tok, budget=10_000, top_k=3)
+    assert short == messages  # under the token budget the turn stays verbatim
