@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -23,7 +24,11 @@ from pipeline_core import uris
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ENV_PREFIX = "MFT__"
-NEMOTRON_SPLITS = ("chat", "code", "math", "stem", "tool")
+NEMOTRON_SPLITS = ("chat", "code", "math", "stem", "tool")  # v1's files: data/<split>-*.parquet
+# v2 adds these (78% of its rows); any other `<name>` matching SPLIT_NAME is accepted too and must exist.
+NEMOTRON_V2_SPLITS = ("chat", "code", "math", "stem", *(f"multilingual_{c}" for c in ("de", "es", "fr", "it", "ja")))
+SPLIT_ALIASES = {"tool_calling": "tool"}  # the hub's config name for v1's data/tool-*.parquet
+SPLIT_NAME = re.compile(r"^[a-z0-9][a-z0-9_]{0,63}$")
 
 
 class ConfigError(ValueError):
@@ -50,6 +55,10 @@ class PipelineSection(Section):
     staging_uri: str = Field(
         default_factory=lambda: uris.qualify(PROJECT_ROOT / ".cache" / "staging"),
         description="Shared file system where Spark and the trainer write before publishing",
+    )
+    max_reject_ratio: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="A Spark stage whose rejects exceed this share of its input fails (with counts) instead of committing",
     )
 
     @field_validator("dataset_version")
@@ -144,10 +153,14 @@ class EnrichSection(SparkStageSection):
     @field_validator("splits")
     @classmethod
     def _splits(cls, v: list[str]) -> list[str]:
-        bad = [s for s in v if s not in NEMOTRON_SPLITS]
+        bad = [s for s in v if not SPLIT_NAME.match(s)]
         if bad or not v:
-            raise ValueError(f"unknown split(s) {bad}; choose a non-empty subset of {list(NEMOTRON_SPLITS)}")
-        return v
+            raise ValueError(
+                f"invalid split name(s) {bad}; give a non-empty list of file prefixes (data/<name>-*.parquet), "
+                f"lower case letters, digits and '_', e.g. v1 {list(NEMOTRON_SPLITS)} or v2 {list(NEMOTRON_V2_SPLITS)}"
+            )
+        out = list(dict.fromkeys(SPLIT_ALIASES.get(s, s) for s in v))
+        return out
 
     @model_validator(mode="after")
     def _weights(self) -> EnrichSection:
@@ -180,13 +193,30 @@ class FilterSection(SparkStageSection):
                                         description="rows checked by brute force for the measured recall (0 = off)")
     min_answer_tokens: int = Field(1, ge=0, description="Drop answers shorter than this (tokens, without </s>)")
     max_tokens: int = Field(4096, ge=8, description="Drop records whose prompt + answer exceeds this (tokens)")
-    val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of record ids in the validation split")
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of prompts (all their answers) in the validation split")
     seq_len: int = Field(1024, ge=32, le=131_072, description="Tokens per packed row; must equal train.seq_len")
     tokenizer: str = Field("mistral-v1", description="'mistral-v1', 'mistral-v3', or an HF tokenizer path/id")
     overflow: Literal["truncate", "reject"] = Field(
         "reject", description="A record longer than seq_len: reject it, or cut its answer's tail (counted)"
     )
-    train_on_reasoning: bool = Field(False, description="Put the <think> trace before the answer and train on it")
+    train_on_reasoning: bool = Field(
+        False, description="Train the final answer's <think> trace (and mark the mode in the system prompt); else the visible answer"
+    )
+    reasoning_marker_on: str = Field("/think", description="With train_on_reasoning: system-prompt marker of reasoning-on records")
+    reasoning_marker_off: str = Field("/no_think", description="With train_on_reasoning: marker of reasoning-off records")
+    train_on: Literal["all_assistant_turns", "last_assistant_turn"] = Field(
+        "all_assistant_turns", description="Which assistant turns carry the loss (prompt, system and tool results never do)"
+    )
+    prompt_context: Literal["conversation", "relevant"] = Field(
+        "conversation",
+        description="conversation: every turn verbatim; relevant: system prompts / tool results over "
+        "relevant_context_tokens become their top relevant units (by similarity to the question), in order",
+    )
+    relevant_context_tokens: int = Field(
+        512, ge=1, description="prompt_context=relevant: a system prompt or tool result longer than this (tokens) is reduced"
+    )
+    relevant_top_k: int = Field(5, ge=1, le=1000, description="prompt_context=relevant: units kept per reduced turn")
+    val_max_documents: int = Field(20_000, ge=1, description="Cap on validation documents (the rest of val is dropped, counted)")
     seed: int = Field(1234, description="Seed of the train/val split hash")
     pack_buffer_docs: int = Field(20_000, ge=1, le=10_000_000, description="Documents packed together (best-fit decreasing)")
     shard_tokens: int = Field(1 << 25, ge=1024, description="Target tokens per output parquet file")

@@ -13,10 +13,13 @@ expected outcome is stored in `metadata` (JSON) under `"sample"`:
 so tests (enrich: normalisation, relevant-sentence selection, rejects; filter: duplicates,
 mismatched pairs) read the truth from the data rather than from a second copy of it.
 Kinds: chat_single, chat_multi, context_selection (system prompt mixing one relevant sentence
-with irrelevant ones; English, German, French, Spanish, Chinese, Japanese), tool (calls and
-results), reasoning (<think> blocks), exact_duplicate, near_duplicate, mismatch, and malformed
-records (null/empty messages, no assistant answer, null content, roles out of order, unparseable
-tool arguments, unknown role, answer that is only a reasoning trace, missing uuid).
+with irrelevant ones; English, German, French, Spanish, Chinese, Japanese), code_chat (multi-turn,
+fenced and indented code), style_system (a system prompt that sets a style), tool (calls and
+results, tool schemas in metadata `tools` as in v1's tool_calling), reasoning (<think> blocks, a
+lone `</think>`, reasoning off), multi_answer (several answers to one prompt), exact_duplicate,
+near_duplicate, mismatch, and malformed records (null/empty messages, no assistant answer, null
+content, withheld prompts `""`/`"-"`/white space, roles out of order, unparseable tool arguments,
+unknown role, answer that is only a reasoning trace, missing uuid).
 """
 
 from __future__ import annotations
@@ -214,6 +217,38 @@ def tool_call(call_id: str, name: str, arguments: str) -> dict:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def tool_schema(t: dict) -> dict:
+    """The OpenAI-style definition v1's tool_calling records carry in `metadata` ("tools")."""
+    kinds = {str: "string", int: "number", float: "number"}
+    props = {k: {"type": kinds.get(type(v), "string")} for k, v in t["arguments"].items()}
+    return {"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                             "parameters": {"type": "object", "properties": props,
+                                                            "required": sorted(props)}}}
+
+
+CODE_CHAT = (
+    "How do I read a CSV file in Python and sum one column?",
+    "Use the standard library's `csv` module:\n\n```python\nimport csv\n\ndef column_sum(path, column):\n"
+    "    total = 0.0\n    with open(path, newline=\"\") as f:\n        for row in csv.DictReader(f):\n"
+    "            total += float(row[column])\n    return total\n```\n\n`DictReader` maps each row to the header names.",
+    "How would I skip rows where the value is empty?",
+    "Check the value before converting it:\n\n```python\n        value = row[column].strip()\n        if not value:\n"
+    "            continue\n        total += float(value)\n```\n\nEmpty strings are falsy, so `continue` skips them.",
+)
+STYLE_CHAT = (
+    "You are a pirate captain. Answer every question in the voice of a pirate, and keep it short.",
+    "What is the capital of Portugal?",
+    "Arr, the capital o' Portugal be Lisbon, matey, a fine port on the Tagus!",
+)
+# One prompt, several answers (v1 has ~7.5 per question in math/stem): they must share a split.
+MULTI_ANSWER = (
+    "What is 12 multiplied by 12?",
+    ("144.",
+     "12 x 12 = 144: twelve tens make 120 and twelve twos make 24, and 120 + 24 = 144.",
+     "A dozen dozens, called a gross, is 144 items, so 12 times 12 equals 144."),
+)
+
+
 def _system(g: _Gen, fact: Fact, n_noise: int = 3) -> tuple[str, list[str]]:
     sentences = [fact.evidence, *g.rng.sample(IRRELEVANT, n_noise)]
     g.rng.shuffle(sentences)
@@ -271,7 +306,7 @@ def crafted(g: _Gen) -> list[tuple[str, dict]]:
     for i, t in enumerate(TOOLS):
         call_id = f"call_{i:04d}"
         args = json.dumps(t["arguments"])
-        tools_meta = {"tools": [{"type": "function", "function": {"name": t["name"], "description": t["description"]}}]}
+        tools_meta = {"tools": [tool_schema(t)]}
         add(("tool", g.record("tool", [
             msg("system", f"You can call the {t['name']} tool. Answer from the tool's result."),
             msg("user", t["question"]),
@@ -286,6 +321,39 @@ def crafted(g: _Gen) -> list[tuple[str, dict]]:
                                    msg("assistant", None, [tool_call("call_null", t["name"], json.dumps(t["arguments"]))]),
                                    msg("tool", json.dumps(t["result"])), msg("assistant", t["answer"])],
                           kind="tool", expected={"question": t["question"], "answer": t["answer"]})))
+
+    # Real shapes: a multi-turn code chat with fenced, indented code; a system prompt that sets a style.
+    q1, a1, q2, a2 = CODE_CHAT
+    add(("code", g.record("code", [msg("system", "You are a careful senior Python engineer."), msg("user", q1),
+                                   msg("assistant", a1), msg("user", q2), msg("assistant", a2)],
+                          kind="code_chat", expected={"question": q2, "answer": a2})))
+    system, q, a = STYLE_CHAT
+    add(("chat", g.record("chat", [msg("system", system), msg("user", q), msg("assistant", a)], kind="style_system",
+                          expected={"question": q, "answer": a, "system": system})))
+    # Reasoning: a trace that only closes (`</think>` without `<think>`), and reasoning off.
+    f = facts[12]
+    think = _think(f)
+    add((f.split, g.record(f.split, [msg("user", f.question), msg("assistant", f"{think}\n</think>\n\n{f.answer}")],
+                           kind="reasoning", reasoning="on",
+                           expected={"question": f.question, "answer": f.answer, "reasoning_trace": think})))
+    f = facts[13]
+    add((f.split, g.record(f.split, [msg("system", ""), msg("user", f.question), msg("assistant", f.answer)],
+                           kind="reasoning", reasoning="off",
+                           expected={"question": f.question, "answer": f.answer, "reasoning_trace": None})))
+    # Several answers to one prompt.
+    q, answers = MULTI_ANSWER
+    first = None
+    for ans in answers:
+        r = g.record("math", [msg("user", q), msg("assistant", ans)], kind="multi_answer",
+                     expected={"question": q, "answer": ans, **({"same_prompt_as": first} if first else {})})
+        first = first or r["uuid"]
+        add(("math", r))
+    # Withheld prompts as the real data has them: "-" in the code split, empty user content in chat.
+    add(("code", g.record("code", [msg("user", "-"), msg("assistant", a1)], kind="malformed",
+                          expected={"reject_reason": "prompt_withheld"})))
+    add(("chat", g.record("chat", [msg("system", "You are a helpful assistant."), msg("user", ""),
+                                   msg("assistant", "Hello! How can I help you today?")], kind="malformed",
+                          expected={"reject_reason": "prompt_withheld"})))
 
     # Duplicates: an exact copy (new uuid, same everything else) and paraphrased questions.
     base = [r for s, r in out if json.loads(r["metadata"])["sample"]["kind"] == "chat_single"]
@@ -309,8 +377,8 @@ def crafted(g: _Gen) -> list[tuple[str, dict]]:
         ([], "empty_messages", {}),
         ([msg("system", "Be brief."), msg("user", f.question)], "no_answered_question", {}),
         ([msg("assistant", f.answer), msg("user", f.question)], "no_answered_question", {}),
-        ([msg("user", None), msg("assistant", f.answer)], "empty_question", {}),
-        ([msg("user", "   "), msg("assistant", f.answer)], "empty_question", {}),
+        ([msg("user", None), msg("assistant", f.answer)], "prompt_withheld", {}),
+        ([msg("user", "   "), msg("assistant", f.answer)], "prompt_withheld", {}),
         ([msg("user", f.question), msg("assistant", None)], "no_answered_question", {}),
         ([msg("user", f.question), msg("assistant", "<think>Only thinking, no answer.</think>")], "empty_answer", {}),
         ([msg("user", f.question), msg("system", "Late system prompt."), msg("assistant", f.answer)],
@@ -354,7 +422,7 @@ def _next_item(g: _Gen, split: str):
 def _filler_tool(g: _Gen, t: dict) -> dict:
     cid = f"call_{g.rng.getrandbits(32):08x}"
     call = tool_call(cid, t["name"], json.dumps(t["arguments"], ensure_ascii=False))
-    tools_meta = {"tools": [{"type": "function", "function": {"name": t["name"], "description": t["description"]}}]}
+    tools_meta = {"tools": [tool_schema(t)]}
     shape = g.rng.randrange(4)
     system = [msg("system", f"You can call the {t['name']} tool. Answer from the tool's result.")] if shape == 0 else []
     content = {0: "", 1: None, 2: "Let me check that for you.", 3: ""}[shape]

@@ -1,55 +1,106 @@
-"""Render a filtered record with the base model's chat template and tokenize it.
+"""Render a conversation with the base model's chat template: token ids + which tokens are trained.
 
-The prompt is the record's relevant context (the enriched `relevant_sentences`, in context
-order) followed by the question; the completion is the answer, optionally preceded by the
-reasoning trace. Tokenization returns prompt and completion ids separately, so the loss mask is
-exact: everything the template adds around the user turn belongs to the prompt.
+`ChatTokenizer.render(conversation, train_on)` returns `Rendered(input_ids, targets)`: the ids the
+model sees for the whole conversation and, per token, whether the loss looks at it. Targets are
+the assistant turns' tokens including each turn's end-of-turn token (`</s>`); system prompt, user
+turns, tool schemas and tool results are never targets. `train_on="last_assistant_turn"` keeps
+only the final answer as target.
 
 Tokenizers, by `filter.tokenizer`:
   - `mistral-v1` (default; Mistral-7B-v0.1 / Instruct-v0.1), `mistral-v3`: the tokenizer files
-    shipped in `mistral-common`, encoded with mistral-common's own instruct tokenizer
-    (v1: `<s>[INST] {prompt} [/INST] {answer}</s>`), so the template is the model's, not a copy;
-  - any other value: a Hugging Face tokenizer directory or hub id, rendered with its
-    `chat_template` (or the Mistral v1 format when it has none).
-Pure Python: loaded once per Spark executor process through `load_tokenizer`'s cache.
+    shipped in `mistral-common`; the ids are exactly `encode_instruct`'s for the conversation
+    (system prompt as mistral-common places it: v1 merges it into the first user turn, v3 into the
+    last). The targets come from walking encode_instruct's own per-message encoders in its order;
+    at load the walk is checked against `encode_instruct` on probe conversations, so a changed
+    mistral-common fails loudly instead of shifting the mask. v3 renders tools natively
+    (`[AVAILABLE_TOOLS]`, `[TOOL_CALLS]` as a target, `[TOOL_RESULTS]` masked). v1 has no tool
+    tokens: tool schemas are appended to the system prompt as `[AVAILABLE_TOOLS] <json>
+    [/AVAILABLE_TOOLS]`, a call is an assistant turn `[TOOL_CALLS] <json list of {name,
+    arguments}>` (trained), and consecutive tool results are one user turn `[TOOL_RESULTS] <json
+    list of {name, content}> [/TOOL_RESULTS]` (masked), in conversation order.
+  - any other value: a Hugging Face tokenizer directory or hub id, rendered with its own
+    `chat_template` (`tools=` passed when the record has schemas). The assistant mask comes from
+    the template: its `{% generation %}` blocks when it has them, otherwise the ids of each
+    prefix ending at an assistant turn (`add_generation_prompt=True`) and including it; a template
+    whose prefix is not a prefix of the whole rendering is refused, naming the tokenizer.
+`TokenizerSpec` (pipeline_core.handoffs) records the identity, including a Jinja chat template
+equivalent to the rendering (the model's own for HF; `MISTRAL_V1_TEMPLATE` /
+`MISTRAL_V3_TEMPLATE` reproduce mistral-common's layout as text), so exported models render the
+same way. Pure Python: loaded once per Spark executor process through `load_tokenizer`'s cache.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pipeline_core.handoffs import TokenizerSpec
+from spark_jobs.conversation import (
+    RENDER_FAILED,
+    TEMPLATE_UNSUPPORTED,
+    Conversation,
+    RenderError,
+    ToolCall,
+    Turn,
+)
 
 MISTRAL_COMMON_FILES = {
     "mistral-v1": "tokenizer.model.v1",
     "mistral-v3": "mistral_instruct_tokenizer_240323.model.v3",
 }
-V1_FORMAT = "<s>[INST] {prompt} [/INST] {completion}</s>"
-THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n\n"
+TrainOn = Literal["all_assistant_turns", "last_assistant_turn"]
+
+# Jinja equivalents of mistral-common's layouts as text (for tokenizer_config.json's chat_template:
+# apply_chat_template, vLLM and TGI then format prompts the way training did).
+MISTRAL_V1_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system = none %}{%- set loop_messages = messages %}"
+    "{%- endif %}{{- bos_token }}{%- set ns = namespace(first=true) %}"
+    "{%- for m in loop_messages %}"
+    "{%- if m['role'] == 'user' %}"
+    "{%- if ns.first and system %}{{- ' [INST] ' + system + '\\n\\n' + m['content'] + ' [/INST]' }}"
+    "{%- else %}{{- ' [INST] ' + m['content'] + ' [/INST]' }}{%- endif %}{%- set ns.first = false %}"
+    "{%- elif m['role'] == 'assistant' %}{{- ' ' + m['content'] + eos_token }}"
+    "{%- endif %}{%- endfor %}"
+)
+MISTRAL_V3_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system = none %}{%- set loop_messages = messages %}"
+    "{%- endif %}{%- set ns = namespace(last=-1) %}"
+    "{%- for m in loop_messages %}{%- if m['role'] == 'user' %}{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{{- bos_token }}{%- for m in loop_messages %}"
+    "{%- if m['role'] == 'user' %}"
+    "{%- if loop.index0 == ns.last and tools %}{{- '[AVAILABLE_TOOLS] ' + tools|tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
+    "{%- if loop.index0 == ns.last and system %}{{- '[INST] ' + system + '\\n\\n' + m['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + m['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif m['role'] == 'assistant' %}"
+    "{%- if m['tool_calls'] %}{%- if loop.index0 > ns.last %}{{- '[TOOL_CALLS] ' + m['tool_calls']|map(attribute='function')|list|tojson + eos_token }}{%- endif %}"
+    "{%- else %}{{- ' ' + m['content'] + eos_token }}{%- endif %}"
+    "{%- elif m['role'] == 'tool' and loop.index0 > ns.last %}"
+    "{{- '[TOOL_RESULTS] ' + {'content': m['content'], 'call_id': m['tool_call_id']}|tojson + '[/TOOL_RESULTS]' }}"
+    "{%- endif %}{%- endfor %}"
+)
 
 
-def render(
-    relevant: Sequence[str] | None,
-    question: str,
-    answer: str,
-    reasoning_trace: str | None = None,
-    train_on_reasoning: bool = False,
-) -> tuple[str, str]:
-    """(prompt text, completion text) of one record, before the chat template."""
-    context = "\n".join(s.strip() for s in (relevant or ()) if s and s.strip())
-    prompt = f"{context}\n\n{question.strip()}" if context else question.strip()
-    completion = answer.strip()
-    if train_on_reasoning and reasoning_trace and reasoning_trace.strip():
-        completion = f"{THINK_OPEN}{reasoning_trace.strip()}{THINK_CLOSE}{completion}"
-    return prompt, completion
+@dataclass(frozen=True)
+class Rendered:
+    input_ids: list[int]
+    targets: list[bool]  # per token: the loss looks at it
+
+    @property
+    def n_targets(self) -> int:
+        return sum(self.targets)
 
 
 class ChatTokenizer(ABC):
-    """Template + tokenizer: `encode` gives (prompt ids, completion ids); their concatenation is
-    exactly what the model sees for a two-turn (user, assistant) conversation."""
+    """Template + tokenizer of one `filter.tokenizer` spec."""
 
     spec: str
     bos_id: int | None
@@ -58,14 +109,51 @@ class ChatTokenizer(ABC):
     vocab_size: int
 
     @abstractmethod
-    def encode(self, prompt: str, completion: str) -> tuple[list[int], list[int]]: ...
+    def render(self, conv: Conversation, train_on: TrainOn = "all_assistant_turns") -> Rendered: ...
+
+    @abstractmethod
+    def count(self, text: str) -> int:
+        """Tokens of plain text (for budgets)."""
 
     @abstractmethod
     def decode(self, ids: Sequence[int]) -> str: ...
 
     @abstractmethod
+    def chat_template(self) -> str | None: ...
+
+    def spec_for_manifest(self) -> TokenizerSpec:
+        return TokenizerSpec(name=self.spec, vocab_size=self.vocab_size, bos_id=self.bos_id, eos_id=self.eos_id,
+                             pad_id=self.pad_id, chat_template=self.chat_template())
+
+    @abstractmethod
     def identity(self) -> dict[str, Any]:
-        """Tokenizer and template identity for the manifest."""
+        """Details beyond TokenizerSpec (files, hashes, versions) for the manifest."""
+
+
+def _spans_to_targets(spans: list[tuple[int, int, bool]], n: int) -> list[bool]:
+    targets = [False] * n
+    for start, end, is_target in spans:
+        if is_target:
+            targets[start:end] = [True] * (end - start)
+    return targets
+
+
+def _choose_targets(spans: list[tuple[int, int, bool]], train_on: TrainOn) -> list[tuple[int, int, bool]]:
+    if train_on == "all_assistant_turns":
+        return spans
+    last = max((i for i, s in enumerate(spans) if s[2]), default=None)
+    return [(a, b, t and i == last) for i, (a, b, t) in enumerate(spans)]
+
+
+_CALL_ID = re.compile(r"^[A-Za-z0-9]{9}$")
+
+
+def _v3_call_id(call: ToolCall, turn: int, k: int) -> str:
+    """mistral v3 call ids are 9 alphanumerics; other ids (v1 data has 'call_...' or none) get a
+    deterministic one from their position, shared by the call and its result."""
+    if call.id and _CALL_ID.match(call.id):
+        return call.id
+    return hashlib.sha256(f"{call.id}:{turn}:{k}".encode()).hexdigest()[:9]
 
 
 class MistralCommonTokenizer(ChatTokenizer):
@@ -78,71 +166,156 @@ class MistralCommonTokenizer(ChatTokenizer):
         self._mt = MistralTokenizer.from_file(str(self.path))
         self._inst = self._mt.instruct_tokenizer
         self._tok = self._inst.tokenizer
+        self.native_tools = spec != "mistral-v1"
         self.bos_id, self.eos_id = self._tok.bos_id, self._tok.eos_id
         # No pad token in these vocabularies: pad with <unk> (id 0), which never occurs in encoded text,
         # so padding cannot be confused with a real end of sequence.
         self.pad_id = self._tok.pad_id if self._tok.pad_id >= 0 else self._tok.unk_id
         self.vocab_size = self._tok.n_words
         self._version = mistral_common.__version__
-        self._encode_prompt = self._choose_prompt_encoder()
+        self._check_walk()
 
-    def _request(self, messages):
+    # -- conversation -> mistral-common request
+    def request(self, conv: Conversation):
+        from mistral_common.protocol.instruct.messages import AssistantMessage, ToolMessage, UserMessage
         from mistral_common.protocol.instruct.request import InstructRequest
+        from mistral_common.protocol.instruct.tool_calls import Function, FunctionCall, Tool
+        from mistral_common.protocol.instruct.tool_calls import ToolCall as MToolCall
 
-        return InstructRequest(messages=messages)
+        if not self.native_tools:
+            return InstructRequest(messages=self._v1_messages(conv), system_prompt=self._v1_system(conv))
+        msgs: list[Any] = []
+        ids: list[str] = []
+        for i, t in enumerate(conv.turns):
+            if t.role == "user":
+                msgs.append(UserMessage(content=t.content))
+            elif t.role == "assistant" and t.tool_calls:
+                if t.content:
+                    raise RenderError(TEMPLATE_UNSUPPORTED, f"{self.spec}: assistant turn {i} has both text and tool "
+                                      "calls, which mistral-common v3 cannot encode in one turn")
+                ids = [_v3_call_id(c, i, k) for k, c in enumerate(t.tool_calls)]
+                msgs.append(AssistantMessage(tool_calls=[
+                    MToolCall(id=cid, function=FunctionCall(name=c.name, arguments=c.arguments))
+                    for cid, c in zip(ids, t.tool_calls, strict=True)]))
+            elif t.role == "assistant":
+                msgs.append(AssistantMessage(content=t.content))
+            else:
+                cid = ids.pop(0) if ids else "000000000"
+                msgs.append(ToolMessage(content=t.content, tool_call_id=cid, name=t.tool_name))
+        tools = []
+        for s in conv.tools:
+            f = s["function"]
+            tools.append(Tool(function=Function(name=f["name"], description=f.get("description", ""),
+                                                parameters=f.get("parameters") or {})))
+        return InstructRequest(messages=msgs, system_prompt=conv.system, available_tools=tools or None)
 
-    def encode_full(self, prompt: str, completion: str) -> list[int]:
-        """The whole conversation as mistral-common encodes it (reference for tests and self-checks)."""
+    @staticmethod
+    def _v1_system(conv: Conversation) -> str | None:
+        if not conv.tools:
+            return conv.system
+        tools = f"[AVAILABLE_TOOLS] {json.dumps(list(conv.tools), ensure_ascii=False)} [/AVAILABLE_TOOLS]"
+        return f"{conv.system}\n\n{tools}" if conv.system else tools
+
+    @staticmethod
+    def _v1_messages(conv: Conversation) -> list[Any]:
         from mistral_common.protocol.instruct.messages import AssistantMessage, UserMessage
 
-        req = self._request([UserMessage(content=prompt), AssistantMessage(content=completion)])
-        return list(self._inst.encode_instruct(req).tokens)
+        out: list[Any] = []
+        results: list[dict[str, Any]] = []
 
-    def _prompt_slow(self, prompt: str) -> list[int]:
-        from mistral_common.protocol.instruct.messages import UserMessage
+        def flush():
+            if results:
+                out.append(UserMessage(content=f"[TOOL_RESULTS] {json.dumps(results, ensure_ascii=False)} [/TOOL_RESULTS]"))
+                results.clear()
 
-        return list(self._inst.encode_instruct(self._request([UserMessage(content=prompt)])).tokens)
+        for t in conv.turns:
+            if t.role == "tool":
+                results.append({"name": t.tool_name, "content": _maybe_json(t.content)})
+                continue
+            flush()
+            if t.role == "user":
+                out.append(UserMessage(content=t.content))
+            elif t.tool_calls:
+                calls = json.dumps([{"name": c.name, "arguments": _maybe_json(c.arguments)} for c in t.tool_calls],
+                                   ensure_ascii=False)
+                text = f"{t.content}\n\n[TOOL_CALLS] {calls}" if t.content else f"[TOOL_CALLS] {calls}"
+                out.append(AssistantMessage(content=text))
+            else:
+                out.append(AssistantMessage(content=t.content))
+        flush()
+        return out
 
-    def _prompt_fast(self, prompt: str) -> list[int]:
-        """encode_instruct's own steps for one user turn, without the decode it does for `.text`
-        (a third of the time). Used only when it agrees with encode_instruct (checked at load)."""
-        from mistral_common.protocol.instruct.messages import UserMessage
+    # -- the walk: encode_instruct's loop, recording which message made which tokens
+    def _walk(self, req) -> tuple[list[int], list[tuple[int, int, bool]]]:
+        from mistral_common.protocol.instruct.messages import AssistantMessage, ToolMessage, UserMessage
 
-        ids = self._inst.encode_user_message(UserMessage(content=prompt), None, True, True)[0]
-        return list(self._inst.start()) + list(ids)
+        first_user, last_user = self._inst.find_first_last_user(req)
+        tokens = list(self._inst.start())
+        spans: list[tuple[int, int, bool]] = []
+        for i, msg in enumerate(req.messages):
+            if isinstance(msg, UserMessage):
+                new = self._inst.encode_user_message(msg, req.available_tools, i == last_user, i == first_user,
+                                                     system_prompt=req.system_prompt, force_img_first=True,
+                                                     settings=req.settings)[0]
+            elif isinstance(msg, ToolMessage):
+                new = self._inst.encode_tool_message(msg, i < last_user)[0]
+            elif isinstance(msg, AssistantMessage):
+                new = self._inst.encode_assistant_message(message=msg, is_before_last_user_message=i < last_user)
+            else:
+                raise RenderError(RENDER_FAILED, f"unexpected message type {type(msg).__name__}")
+            spans.append((len(tokens), len(tokens) + len(new), isinstance(msg, AssistantMessage)))
+            tokens.extend(new)
+        return tokens, spans
 
-    def _choose_prompt_encoder(self):
-        probes = ["What is 2+2?", "Context.\n\nQuestion with ü and 漢字?", "  spaced  "]
-        try:
-            if all(self._prompt_fast(p) == self._prompt_slow(p) for p in probes):
-                return self._prompt_fast
-        except Exception:  # noqa: BLE001 - a changed private signature: use the public path
+    def reference_ids(self, conv: Conversation) -> list[int]:
+        """mistral-common's own `encode_instruct` of the conversation (tests and the load check)."""
+        if hasattr(self._inst, "_validate_tool_results"):
             pass
-        return self._prompt_slow
+        return list(self._inst.encode_instruct(self.request(conv)).tokens)
 
-    def encode(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
-        # The prompt is mistral-common's encoding of the user turn; an assistant turn is its text + </s>
-        # in every SentencePiece instruct version (checked against encode_full in the tests).
-        prompt_ids = self._encode_prompt(prompt)
-        completion_ids = list(self._tok.encode(completion, bos=False, eos=False)) + [self.eos_id]
-        return prompt_ids, completion_ids
+    def _check_walk(self) -> None:
+        probes = [
+            Conversation("Be brief.", (Turn("user", "Hi"), Turn("assistant", "Hello!"), Turn("user", "2+2?"),
+                                       Turn("assistant", "4"))),
+            Conversation(None, (Turn("user", "Weather?"), Turn("assistant", "", (ToolCall("abcdefghi", "w", "{}"),)),
+                                Turn("tool", '{"t": 1}', (), "w", "abcdefghi"), Turn("assistant", "1 degree"))),
+        ]
+        for p in probes:
+            if self._walk(self.request(p))[0] != self.reference_ids(p):
+                raise RuntimeError(f"mistral-common {self._version}: the per-message walk no longer reproduces "
+                                   f"encode_instruct for {self.spec}; the loss mask would be wrong")
+
+    def render(self, conv: Conversation, train_on: TrainOn = "all_assistant_turns") -> Rendered:
+        try:
+            req = self.request(conv)
+            if hasattr(self._inst, "_validate_tool_results"):
+                self._inst._validate_tool_results(request=req)
+            ids, spans = self._walk(req)
+        except RenderError:
+            raise
+        except Exception as e:  # noqa: BLE001 - mistral-common refuses a shape: a reject, not a crash
+            raise RenderError(TEMPLATE_UNSUPPORTED, f"{self.spec}: {type(e).__name__}: {e}"[:500]) from None
+        return Rendered(ids, _spans_to_targets(_choose_targets(spans, train_on), len(ids)))
+
+    def count(self, text: str) -> int:
+        return len(self._tok.encode(text, bos=False, eos=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
 
+    def chat_template(self) -> str:
+        return MISTRAL_V1_TEMPLATE if self.spec == "mistral-v1" else MISTRAL_V3_TEMPLATE
+
     def identity(self) -> dict[str, Any]:
-        return {
-            "tokenizer": {
-                "spec": self.spec, "kind": "mistral-common", "file": self.path.name, "sha256": _sha256(self.path),
-                "vocab_size": self.vocab_size, "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id,
-                "mistral_common_version": self._version,
-            },
-            "template": {
-                "name": f"mistral-instruct-{type(self._inst).__name__}",
-                "format": V1_FORMAT if self.spec == "mistral-v1" else "<s>[INST]{prompt}[/INST]{completion}</s>",
-                "prompt": "relevant context sentences joined by newlines, a blank line, then the question",
-            },
-        }
+        return {"kind": "mistral-common", "file": self.path.name, "sha256": _sha256(self.path),
+                "mistral_common_version": self._version, "instruct": type(self._inst).__name__}
+
+
+def _maybe_json(s: str) -> Any:
+    try:
+        return json.loads(s)
+    except (ValueError, RecursionError):
+        return s
 
 
 class HFChatTokenizer(ChatTokenizer):
@@ -154,52 +327,66 @@ class HFChatTokenizer(ChatTokenizer):
         t = self._tok
         if t.eos_token_id is None:
             raise ValueError(f"filter.tokenizer: {spec!r} has no eos token; cannot mark the end of an answer")
+        if not getattr(t, "chat_template", None):
+            raise ValueError(f"filter.tokenizer: {spec!r} has no chat_template; give a tokenizer with one "
+                             "(or use 'mistral-v1' / 'mistral-v3')")
         self.bos_id, self.eos_id = t.bos_token_id, t.eos_token_id
         self.pad_id = next(i for i in (t.pad_token_id, t.unk_token_id, t.eos_token_id) if i is not None)
         self.vocab_size = len(t)
-        self._template = getattr(t, "chat_template", None)
+        self._template = t.chat_template
+        self._generation_marks = "{% generation %}" in self._template or "{%- generation %}" in self._template
         self._version = transformers.__version__
         if self._template:  # a template that cannot be split into prompt + answer fails at load, not in an executor
             self.encode("What is 2+2?", "4.")
 
-    def _chat_ids(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        out = self._tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt)
-        if isinstance(out, dict) or hasattr(out, "keys"):
-            out = out["input_ids"]
-        return [int(i) for i in out]
+    def _ids(self, messages: list[dict[str, Any]], tools, add_generation_prompt: bool, mask: bool = False):
+        out = self._tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                            add_generation_prompt=add_generation_prompt,
+                                            return_assistant_tokens_mask=mask)
+        ids = [int(i) for i in out["input_ids"]]
+        return (ids, [bool(x) for x in out["assistant_masks"]]) if mask else (ids, None)
 
-    def encode(self, prompt: str, completion: str) -> tuple[list[int], list[int]]:
-        if self._template:
-            user = [{"role": "user", "content": prompt}]
-            prompt_ids = self._chat_ids(user, add_generation_prompt=True)
-            full = self._chat_ids(user + [{"role": "assistant", "content": completion}], add_generation_prompt=False)
-            if full[: len(prompt_ids)] != prompt_ids:
-                raise ValueError(
-                    f"filter.tokenizer: the chat template of {self.spec!r} does not render the prompt as a prefix "
-                    "of the conversation; cannot separate prompt and answer tokens"
-                )
-            return prompt_ids, full[len(prompt_ids):]
-        enc = self._tok.encode
-        prompt_ids = ([self.bos_id] if self.bos_id is not None else []) + enc(f"[INST] {prompt} [/INST]", add_special_tokens=False)
-        return prompt_ids, enc(completion, add_special_tokens=False) + [self.eos_id]
+    def render(self, conv: Conversation, train_on: TrainOn = "all_assistant_turns") -> Rendered:
+        messages = conv.to_messages()
+        tools = list(conv.tools) or None
+        try:
+            if self._generation_marks:
+                ids, mask = self._ids(messages, tools, False, mask=True)
+                if train_on == "last_assistant_turn":
+                    prefix, _ = self._ids(messages[:-1], tools, True)
+                    mask = [m and i >= len(prefix) for i, m in enumerate(mask)]
+                return Rendered(ids, mask)
+            ids, _ = self._ids(messages, tools, False)
+            spans: list[tuple[int, int, bool]] = []
+            for k, m in enumerate(messages):
+                if m["role"] != "assistant":
+                    continue
+                before, _ = self._ids(messages[:k], tools, True)
+                through, _ = self._ids(messages[: k + 1], tools, False)
+                if ids[: len(through)] != through or through[: len(before)] != before:
+                    raise RenderError(TEMPLATE_UNSUPPORTED, (
+                        f"filter.tokenizer: the chat template of {self.spec!r} does not render a conversation's "
+                        "prefix as a prefix of the whole; cannot tell assistant tokens from prompt tokens"))
+                spans.append((len(before), len(through), True))
+        except RenderError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the template refuses this conversation: a reject
+            raise RenderError(TEMPLATE_UNSUPPORTED, f"{self.spec}: {type(e).__name__}: {e}"[:500]) from None
+        return Rendered(ids, _spans_to_targets(_choose_targets(spans, train_on), len(ids)))
+
+    def count(self, text: str) -> int:
+        return len(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def chat_template(self) -> str:
+        return self._template
+
     def identity(self) -> dict[str, Any]:
-        tmpl = self._template or V1_FORMAT
-        return {
-            "tokenizer": {
-                "spec": self.spec, "kind": "huggingface", "class": type(self._tok).__name__,
-                "vocab_size": self.vocab_size, "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id,
-                "transformers_version": self._version,
-            },
-            "template": {
-                "name": "hf-chat-template" if self._template else "mistral-instruct-v1-text",
-                "sha256": hashlib.sha256(tmpl.encode()).hexdigest(),
-                "prompt": "relevant context sentences joined by newlines, a blank line, then the question",
-            },
-        }
+        return {"kind": "huggingface", "class": type(self._tok).__name__, "transformers_version": self._version,
+                "template_sha256": hashlib.sha256(self._template.encode()).hexdigest(),
+                "assistant_mask": "generation blocks" if self._generation_marks else "prefix renderings"}
 
 
 @functools.lru_cache(maxsize=4)

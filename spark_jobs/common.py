@@ -1,9 +1,13 @@
 """What every Spark stage (enrich, filter) shares: arguments, session, staging, rejects, counts,
 timings, and publishing through `pipeline_core.artifacts`.
 
-A stage's life: `parse_stage_args` -> `load_config` -> `committed_output` (skip: the artifact is
-already there) -> `spark_session` -> write Parquet to `staging_for(...)` (a fully qualified
-file:// path) -> `artifact_counts` -> `publish` -> `clean_staging`.
+A stage's life is `run_stage`, the one lifecycle both stages use: committed-check (`committed_output`:
+the artifact is already there, nothing to do) -> a staging directory of this attempt alone
+(`attempt_staging`: unique per attempt, so a retry or a concurrent run never shares or deletes
+another attempt's files) -> Spark session -> the stage's `compute` (writes Parquet under the staging
+directory and returns counts + manifest extra) -> count checks (in = out + rejected; an empty output
+or a reject share over `pipeline.max_reject_ratio` fails with the counts) -> `publish` -> cleanup
+of this attempt's staging (on success and on failure) and of the frames it persisted.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -130,44 +136,58 @@ def committed_output(output_uri: str, config: dict[str, Any], storage: StorageSe
     return m
 
 
-def staging_for(cfg: Config, stage: str, output_uri: str) -> tuple[str, Path]:
-    """An empty local staging directory for `output_uri`: (file:// URI for Spark, path for publishing)."""
-    uri = staging_dir(cfg, stage, stable_hash(output_uri)[:16])
+def attempt_staging(cfg: Config, stage: str, output_uri: str) -> tuple[str, Path]:
+    """A new, empty local staging directory owned by this attempt alone: (file:// URI for Spark,
+    path for publishing). Named `<output hash>-<attempt id>`: attempts never share one, and an
+    attempt only ever deletes its own."""
+    uri = staging_dir(cfg, stage, f"{stable_hash(output_uri)[:16]}-{uuid.uuid4().hex[:12]}")
     if not uris.is_local(uri):
         raise ValueError(
             f"pipeline.staging_uri {cfg.pipeline.staging_uri!r}: Spark stages stage to a file:// directory "
             "(on a cluster, a shared mount) before publishing to the store"
         )
     path = uris.to_local_path(uri)
-    clean_staging(path)
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=False)
     return uri, path
+
+
+def download_dir(staging: Path) -> Path:
+    """Where a stage copies remote inputs: beside its staging directory, never inside it
+    (everything inside is published); removed with it."""
+    return staging.with_name(staging.name + "-input")
 
 
 def clean_staging(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def write_parquet(df: DataFrame, uri: str) -> None:
+def write_parquet(df: DataFrame, uri: str) -> list[Path]:
     """Overwrite `uri` (must be fully qualified) with the DataFrame as Parquet. On a local path the
-    part files get stable names (`part-00000-c000.parquet`, ...; Spark's carry a random job id), so a
-    re-run after a crash between upload and manifest overwrites the same keys, and Spark's
-    `_SUCCESS` / `.crc` files are removed."""
+    part files get stable names (`part-00000-c000.parquet`, ...; Spark's carry a random job id) and
+    Spark's `_SUCCESS` / `.crc` files are removed; returns the part files."""
     df.write.mode("overwrite").parquet(uris.require_uri(uri, "Spark output"))
-    if uris.is_local(uri):
-        tidy_parts(uris.to_local_path(uri))
+    return tidy_parts(uris.to_local_path(uri)) if uris.is_local(uri) else []
 
 
 _PART = re.compile(r"^part-(\d+)-.*-c(\d+)(\.[a-z0-9]+)?\.parquet$")
 
 
-def tidy_parts(path: Path) -> None:
+def tidy_parts(path: Path) -> list[Path]:
+    """Stable part names: task number and file-within-task counter both kept (a task that writes
+    several files, e.g. with spark.sql.files.maxRecordsPerFile, gives c000, c001, ...), so no rename
+    can land on another part. Refuses to overwrite instead of losing a file."""
+    out = []
     for p in sorted(path.iterdir()):
         m = _PART.match(p.name)
         if m:
-            p.rename(p.with_name(f"part-{int(m.group(1)):05d}-c{int(m.group(2)):03d}.parquet"))
+            dest = p.with_name(f"part-{int(m.group(1)):05d}-c{int(m.group(2)):03d}.parquet")
+            if dest.exists() and dest != p:
+                raise RuntimeError(f"{p.name} and {dest.name} would get the same name in {path}")
+            p.rename(dest)
+            out.append(dest)
         elif p.name == "_SUCCESS" or p.name.endswith(".crc"):
             p.unlink()
+    return sorted(out)
 
 
 def rejects_frame(df: DataFrame, stage: str, id_col: str = "id", reason_col: str = "reason", raw_col: str = "raw") -> DataFrame:
@@ -179,11 +199,12 @@ def rejects_frame(df: DataFrame, stage: str, id_col: str = "id", reason_col: str
     )
 
 
-def parquet_rows(path: Path) -> int:
-    """Rows in every Parquet file under `path`, from the footers (no Spark job)."""
+def parquet_rows(path: Path | Sequence[Path]) -> int:
+    """Rows in every Parquet file under `path` (or in the given files), from the footers (no Spark job)."""
     import pyarrow.parquet as pq
 
-    return sum(pq.ParquetFile(p).metadata.num_rows for p in sorted(path.rglob("*.parquet")))
+    files = sorted(path.rglob("*.parquet")) if isinstance(path, Path) else list(path)
+    return sum(pq.ParquetFile(p).metadata.num_rows for p in files)
 
 
 def reject_counts(path: Path) -> dict[str, int]:
@@ -248,3 +269,92 @@ def publish(
     log.info("published %s: in=%s out=%s rejected=%s", output_uri, counts.get("in"), counts.get("out"),
              counts.get("rejected"))
     return m
+
+
+class StageFailed(RuntimeError):
+    """The stage's output must not be committed (empty, or too many rejects); carries the counts."""
+
+
+def check_counts(counts: dict[str, Any], max_reject_ratio: float, stage: str) -> None:
+    """in = out + rejected; a non-empty output; rejects at most `max_reject_ratio` of the input."""
+    n_in, n_out, rejected = counts["in"], counts["out"], counts.get("rejected", {})
+    n_rej = sum(rejected.values())
+    if n_in != n_out + n_rej:
+        raise RuntimeError(f"[{stage}] row counts do not add up: in={n_in}, out={n_out}, rejected={rejected}")
+    if n_out == 0:
+        raise StageFailed(f"[{stage}] nothing to publish: {n_in} rows in, 0 out, rejected {rejected}; "
+                          "an empty artifact is never committed (check the input and the thresholds)")
+    if n_in and n_rej / n_in > max_reject_ratio:
+        raise StageFailed(
+            f"[{stage}] {n_rej} of {n_in} rows rejected ({n_rej / n_in:.1%}) > pipeline.max_reject_ratio="
+            f"{max_reject_ratio}: {rejected}; fix the input or raise pipeline.max_reject_ratio")
+
+
+@dataclass
+class StageContext:
+    """What a stage's `compute` gets: its Spark session, its own staging directory and timer; frames
+    it persists go to `persist` (unpersisted by the lifecycle)."""
+
+    spark: SparkSession
+    staging_uri: str
+    staging: Path
+    timer: StageTimer
+    persisted: list[DataFrame] = field(default_factory=list)
+
+    def persist(self, df: DataFrame) -> DataFrame:
+        from pyspark import StorageLevel
+
+        df = df.persist(StorageLevel.MEMORY_AND_DISK)
+        self.persisted.append(df)
+        return df
+
+
+@dataclass(frozen=True)
+class StageOutput:
+    """What `compute` returns: the manifest's counts and extra, and the input artifacts it read."""
+
+    counts: dict[str, Any]
+    extra: dict[str, Any]
+    inputs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str  # "enrich" | "filter"
+    kind: str  # the artifact kind it publishes
+    app_name: str
+
+
+def run_stage(spec: StageSpec, cfg: Config, section: Any, output_uri: str, config: dict[str, Any],
+              compute: Callable[[StageContext], StageOutput], spark: SparkSession | None = None,
+              before_compute: Callable[[], None] | None = None) -> Manifest:
+    """The lifecycle of a Spark stage (see the module docstring). `section` is the stage's
+    SparkStageSection (master, partitions, spark_conf, arrow_batch_rows)."""
+    done = committed_output(output_uri, config, cfg.storage)
+    if done is not None:
+        log.info("%s is already committed with this config (counts %s); nothing to do", output_uri, done.counts)
+        return done
+    if before_compute is not None:
+        before_compute()  # checks that must fail before any Spark work
+    timer = StageTimer(spec.name)
+    staging_uri, staging = attempt_staging(cfg, spec.name, output_uri)
+    own = spark is None
+    ctx = None
+    try:
+        if own:
+            conf = {"spark.sql.execution.arrow.maxRecordsPerBatch": str(section.arrow_batch_rows), **section.spark_conf}
+            spark = spark_session(spec.app_name, section.spark_master, section.shuffle_partitions, conf)
+        ctx = StageContext(spark, staging_uri, staging, timer)
+        out = compute(ctx)
+        check_counts(out.counts, cfg.pipeline.max_reject_ratio, spec.name)
+        timer.total()
+        with timer.step("publish"):
+            return publish(staging, output_uri, kind=spec.kind, config=config, counts=out.counts, storage=cfg.storage,
+                           timings=timer.timings, extra=out.extra, inputs=out.inputs)
+    finally:
+        for frame in (ctx.persisted if ctx else ()):
+            frame.unpersist()
+        if own and spark is not None:
+            spark.stop()
+        clean_staging(staging)
+        clean_staging(download_dir(staging))

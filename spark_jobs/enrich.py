@@ -35,16 +35,15 @@ from pipeline_core.artifacts import Manifest
 from pipeline_core.config import Config, EnrichSection, load_config
 from pipeline_core.layout import content_settings
 from spark_jobs.common import (
-    StageTimer,
+    StageContext,
+    StageOutput,
+    StageSpec,
     artifact_counts,
-    clean_staging,
-    committed_output,
+    download_dir,
     parse_stage_args,
-    publish,
     rejects_frame,
+    run_stage,
     setup_logging,
-    spark_session,
-    staging_for,
     task_cpus,
     write_parquet,
 )
@@ -60,24 +59,26 @@ log = logging.getLogger("spark_jobs.enrich")
 
 STAGE = "enrich"
 KIND = "enriched"
+SPEC = StageSpec(STAGE, KIND, "mft-enrich")
 NORMALISED_SCHEMA = (
-    "question string, answer string, reasoning_trace string, context_sentences array<string>, reason string"
+    "question string, answer string, reasoning_trace string, context_sentences array<string>, "
+    "context_turns array<int>, reason string"
 )
 SCORES_SCHEMA = (
     "sim_context_question double, sim_context_answer double, sim_question_answer double, "
     "relevant_sentences array<struct<text:string,index:int,score:double>>, "
-    "question_embedding array<float>, answer_embedding array<float>"
+    "context_question_scores array<double>, question_embedding array<float>, answer_embedding array<float>"
 )
 CONTRACT_COLUMNS = (
     "id", "category", "reasoning", "question", "answer", "reasoning_trace", "context_sentences",
     "relevant_sentences", "sim_context_question", "sim_context_answer", "sim_question_answer", "messages",
 )
-EXTRA_COLUMNS = ("question_embedding", "answer_embedding", "metadata")
+EXTRA_COLUMNS = ("question_embedding", "answer_embedding", "metadata", "context_turns", "context_question_scores")
 
 
 def normalise_raw(uuid: str | None, messages_json: str | None, read_error: str | None, e: EnrichSection) -> dict[str, Any]:
     """One raw row -> the normalised columns, or `reason` set (never raises)."""
-    empty = {"question": None, "answer": None, "reasoning_trace": None, "context_sentences": None}
+    empty = {"question": None, "answer": None, "reasoning_trace": None, "context_sentences": None, "context_turns": None}
     if read_error:
         return {**empty, "reason": read_error.split(":", 1)[0]}
     if uuid is None or not str(uuid).strip():
@@ -90,16 +91,16 @@ def normalise_raw(uuid: str | None, messages_json: str | None, read_error: str |
                       max_sentence_chars=e.max_sentence_chars)
     except Rejected as r:
         return {**empty, "reason": r.reason}
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than Python's stack
         return {**empty, "reason": "unparseable_messages"}
     return {"question": n.question, "answer": n.answer, "reasoning_trace": n.reasoning_trace,
-            "context_sentences": n.context_sentences, "reason": None}
+            "context_sentences": n.context_sentences, "context_turns": n.context_turns, "reason": None}
 
 
 def normalise_udf(e: EnrichSection):
     from pyspark.sql.functions import pandas_udf
 
-    cols = ["question", "answer", "reasoning_trace", "context_sentences", "reason"]
+    cols = ["question", "answer", "reasoning_trace", "context_sentences", "context_turns", "reason"]
 
     @pandas_udf(NORMALISED_SCHEMA)
     def _normalise(uuid: pd.Series, messages_json: pd.Series, read_error: pd.Series) -> pd.DataFrame:
@@ -124,6 +125,7 @@ def score_batch(questions: Sequence[str], answers: Sequence[str], contexts: Sequ
         off += len(ctx)
         r = score_record(q, a, s, params)
         r["relevant_sentences"] = [{"text": ctx[j], "index": j, "score": sc} for j, sc in r["relevant_sentences"]]
+        r["context_question_scores"] = [float(x) for x in (s @ q)] if len(ctx) else []
         r["question_embedding"], r["answer_embedding"] = q.tolist(), a.tolist()
         rows.append(r)
     return rows
@@ -133,7 +135,7 @@ def score_udf(e: EnrichSection, threads: int):
     from pyspark.sql.functions import pandas_udf
 
     cols = ["sim_context_question", "sim_context_answer", "sim_question_answer", "relevant_sentences",
-            "question_embedding", "answer_embedding"]
+            "context_question_scores", "question_embedding", "answer_embedding"]
 
     @pandas_udf(SCORES_SCHEMA)
     def _score(question: pd.Series, answer: pd.Series, context: pd.Series) -> pd.DataFrame:
@@ -148,47 +150,35 @@ def stage_config(cfg: Config, input_uri: str) -> dict[str, Any]:
 
 
 def run(input_uri: str, output_uri: str, cfg: Config, spark: SparkSession | None = None) -> Manifest:
-    e = cfg.enrich
     output_uri = uris.require_uri(output_uri, "--output").rstrip("/")
     if not input_uri.startswith("hf://"):
         input_uri = uris.require_uri(input_uri, "--input").rstrip("/")
-    config = stage_config(cfg, input_uri)
-    done = committed_output(output_uri, config, cfg.storage)
-    if done is not None:
-        log.info("%s is already committed with this config (counts %s); nothing to do", output_uri, done.counts)
-        return done
-
-    timer = StageTimer(STAGE)
-    staging_uri, staging = staging_for(cfg, STAGE, output_uri)
-    own = spark is None
-    if spark is None:
-        conf = {"spark.sql.execution.arrow.maxRecordsPerBatch": str(e.arrow_batch_rows), **e.spark_conf}
-        spark = spark_session("mft-enrich", e.spark_master, e.shuffle_partitions, conf)
-    norm = None
-    try:
-        manifest, norm = _compute_and_publish(spark, input_uri, output_uri, cfg, config, timer, staging_uri, staging)
-    finally:
-        if norm is not None:
-            norm.unpersist()
-        if own:
-            spark.stop()
-    clean_staging(staging)
-    clean_staging(_download_dir(staging))
-    return manifest
+    m = run_stage(SPEC, cfg, cfg.enrich, output_uri, stage_config(cfg, input_uri),
+                  lambda ctx: _compute(ctx, input_uri, cfg), spark=spark)
+    total = (m.timings or {}).get("total_s")
+    if total:
+        log.info("[enrich] %.1f records/s overall", m.counts["in"] / max(total, 1e-9))
+    return m
 
 
-def _compute_and_publish(spark, input_uri, output_uri, cfg, config, timer, staging_uri, staging):
-    from pyspark import StorageLevel
+def _compute(ctx: StageContext, input_uri: str, cfg: Config) -> StageOutput:
     from pyspark.sql import functions as F
 
-    e = cfg.enrich
+    e, spark, timer, staging, staging_uri = cfg.enrich, ctx.spark, ctx.timer, ctx.staging, ctx.staging_uri
     with timer.step("read+normalise") as info:
-        raw, source = read_records(spark, input_uri, e.splits, e.input_format, download_dir=_download_dir(staging),
+        raw, source = read_records(spark, input_uri, e.splits, e.input_format, download_dir=download_dir(staging),
                                    storage=cfg.storage)
-        norm = raw.select(
+        normalised = raw.select(
             F.col("uuid").alias("id"), "category", "reasoning", "metadata", "messages_json", "raw",
             normalise_udf(e)("uuid", "messages_json", "read_error").alias("n"),
-        ).select("*", "n.*").drop("n").persist(StorageLevel.MEMORY_AND_DISK)
+        ).select("*", "n.*").drop("n")
+        # Lean persisted frame: the record's JSON (`raw`) only where it is a reject, the messages only
+        # where they are kept (the output carries them).
+        norm = ctx.persist(normalised.select(
+            *[c for c in normalised.columns if c not in ("raw", "messages_json")],
+            F.when(F.col("reason").isNull(), F.col("messages_json")).alias("messages_json"),
+            F.when(F.col("reason").isNotNull(), F.col("raw")).alias("raw"),
+        ))
         stats = norm.agg(
             F.count(F.lit(1)).alias("rows"),
             F.sum(F.when(F.col("reason").isNull(), F.size("context_sentences")).otherwise(0)).alias("sentences"),
@@ -207,7 +197,8 @@ def _compute_and_publish(spark, input_uri, output_uri, cfg, config, timer, stagi
         # repeats share an Arrow batch and are embedded once (embeddings.Encoder).
         parts = stage_partitions(spark, e.shuffle_partitions, n_ok, ENRICH_ROWS_PER_PARTITION)
         accepted = (
-            norm.where(F.col("reason").isNull())
+            norm.where(F.col("reason").isNull()).drop("raw", "reason")
+            # a question's repeats (~7.5 answers each in math/stem) share a batch: embedded once
             .repartition(parts, F.xxhash64("question"))
             .sortWithinPartitions(F.xxhash64("question"), "id")
         )
@@ -216,7 +207,7 @@ def _compute_and_publish(spark, input_uri, output_uri, cfg, config, timer, stagi
             *[c for c in CONTRACT_COLUMNS[:7]], "s.relevant_sentences", "s.sim_context_question",
             "s.sim_context_answer", "s.sim_question_answer",
             F.from_json("messages_json", MESSAGES_DDL).alias("messages"),
-            "s.question_embedding", "s.answer_embedding", "metadata",
+            "s.question_embedding", "s.answer_embedding", "metadata", "context_turns", "s.context_question_scores",
         )
         write_parquet(out, uris.join(staging_uri, "data"))
         info["rows"] = n_ok
@@ -228,26 +219,17 @@ def _compute_and_publish(spark, input_uri, output_uri, cfg, config, timer, stagi
         "columns": [*CONTRACT_COLUMNS, *EXTRA_COLUMNS],
         "extra_columns": {"question_embedding": "array<float> unit vector of the question",
                           "answer_embedding": "array<float> unit vector of the answer",
-                          "metadata": "the input record's metadata string"},
+                          "metadata": "the input record's metadata string",
+                          "context_turns": "array<int>: index in messages of each context_sentences unit",
+                          "context_question_scores": "array<double>: cosine of each context unit to the question"},
         "embedding_model": e.embedding_model,
         "embedding_dim": _embedding_dim(staging),
         "source": source,
         "stats": {"context_sentences": n_sent, "texts_embedded": n_sent + 2 * n_ok},
     }
-    timer.total()
-    with timer.step("publish"):
-        manifest = publish(staging, output_uri, kind=KIND, config=config, counts=counts, storage=cfg.storage,
-                           timings=timer.timings, extra=extra)
-    rate = counts["in"] / max(timer.timings["total_s"], 1e-9)
-    log.info("[enrich] %d records in, %d out, %d rejected %s; %.1f records/s overall",
-             counts["in"], counts["out"], sum(counts["rejected"].values()), counts["rejected"], rate)
-    return manifest, norm
-
-
-def _download_dir(staging):
-    """Where remote inputs are copied: beside the artifact's staging directory, never inside it
-    (everything inside is published)."""
-    return staging.with_name(staging.name + "-input")
+    log.info("[enrich] %d records in, %d out, %d rejected %s", counts["in"], counts["out"],
+             sum(counts["rejected"].values()), counts["rejected"])
+    return StageOutput(counts, extra)
 
 
 def _embedding_dim(staging) -> int | None:

@@ -6,7 +6,12 @@ calls / tool results / interim assistant text between question and answer. Anyth
 cannot be normalised raises `Rejected` with a stable reason code (the manifest counts by it).
 
 Reason codes: empty_messages, bad_message, unknown_role, bad_content, roles_out_of_order,
-bad_tool_call, bad_tool_arguments, no_answered_question, empty_question, empty_answer.
+bad_tool_call, bad_tool_arguments, no_answered_question, prompt_withheld (the question is empty or
+a placeholder such as "-", as in v1's `code` split), empty_answer.
+
+Context units (for the relevance scores only; the filter renders the conversation itself from
+`messages`) come from `sentences.split_units`: structured blocks whole, prose as sentences. Each
+turn's text is bounded (`max_turn_chars`) before it is cut, so one huge turn cannot stall a task.
 """
 
 from __future__ import annotations
@@ -17,13 +22,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from spark_jobs.sentences import split_sentences
+from spark_jobs.sentences import split_units
 
 ROLES = ("system", "user", "assistant", "tool")
 ReasoningMode = Literal["separate", "drop", "inline"]
 
 _THINK_BLOCK = re.compile(r"<think>(.*?)</think>", re.DOTALL | re.IGNORECASE)
 _THINK_OPEN = re.compile(r"<think>(.*)$", re.DOTALL | re.IGNORECASE)  # unclosed: the rest is thinking
+_THINK_CLOSE = re.compile(r"</think>", re.IGNORECASE)  # a lone close: everything before it was thinking
+PLACEHOLDER_PROMPTS = frozenset({"", "-", "--", "—", "n/a", "none", "null", "<empty>"})
 
 
 class Rejected(ValueError):
@@ -39,13 +46,19 @@ class Normalised:
     answer: str
     reasoning_trace: str | None
     context_sentences: list[str] = field(default_factory=list)
+    context_turns: list[int] = field(default_factory=list)  # index in `messages` of each context unit
 
 
 def split_reasoning(content: str) -> tuple[str, str | None]:
     """(visible text, reasoning trace or None): `<think>` blocks removed from the text and joined
-    into the trace. An unclosed `<think>` makes the rest of the text reasoning."""
+    into the trace. An unclosed `<think>` makes the rest of the text reasoning; a `</think>` with no
+    opening (templates that put `<think>` in the prompt) makes the text before it reasoning."""
     traces = [m.strip() for m in _THINK_BLOCK.findall(content)]
     visible = _THINK_BLOCK.sub("", content)
+    lone = max(_THINK_CLOSE.finditer(visible), key=lambda m: m.start(), default=None)
+    if lone is not None:
+        traces.insert(0, visible[: lone.start()].strip())
+        visible = visible[lone.end():]
     m = _THINK_OPEN.search(visible)
     if m:
         traces.append(m.group(1).strip())
@@ -105,22 +118,27 @@ def _role(m: Mapping[str, Any]) -> str:
     return m["role"].strip().lower()
 
 
-def _units(m: Mapping[str, Any]) -> list[str]:
-    """Context units of one turn: its sentences (earlier reasoning removed), one unit per tool call,
-    a tool result as one unit when it is JSON (splitting JSON on '.' makes no sense)."""
-    content = m.get("content") or ""
+def is_placeholder(text: str | None) -> bool:
+    """A withheld prompt: empty, white space, or a stand-in such as "-"."""
+    return text is None or " ".join(text.split()).lower() in PLACEHOLDER_PROMPTS
+
+
+def _units(m: Mapping[str, Any], max_turn_chars: int) -> list[str]:
+    """Context units of one turn: its text's units (earlier reasoning removed), then one unit per
+    tool call. A tool result that is JSON is one unit (splitting JSON on '.' makes no sense)."""
+    content = (m.get("content") or "")[:max_turn_chars]
     role = _role(m)
     out: list[str] = []
     if role == "tool":
         try:
             json.loads(content)
             out.append(content.strip())
-        except ValueError:
-            out.extend(split_sentences(content))
+        except (ValueError, RecursionError):
+            out.extend(split_units(content))
     else:
         if role == "assistant":
             content, _ = split_reasoning(content)
-        out.extend(split_sentences(content))
+        out.extend(split_units(content))
     for call in m.get("tool_calls") or ():
         out.append(render_tool_call(call))
     return [u for u in out if u]
@@ -132,6 +150,7 @@ def normalise(
     reasoning: ReasoningMode = "separate",
     max_context_sentences: int = 256,
     max_sentence_chars: int = 2000,
+    max_turn_chars: int = 200_000,
 ) -> Normalised:
     if not messages:
         raise Rejected("empty_messages", "messages is null or empty")
@@ -152,8 +171,8 @@ def normalise(
         raise Rejected("no_answered_question", "no assistant turn with text answers a user turn")
     q = max(i for i in range(a) if _role(turns[i]) == "user")
     question = (turns[q].get("content") or "").strip()
-    if not question:
-        raise Rejected("empty_question", f"the user turn {q} answered by turn {a} has no text")
+    if is_placeholder(question):
+        raise Rejected("prompt_withheld", f"the user turn {q} answered by turn {a} is {question!r} (withheld or placeholder)")
 
     raw_answer = turns[a]["content"]
     visible, trace = split_reasoning(raw_answer)
@@ -166,9 +185,10 @@ def normalise(
     else:
         answer = visible
 
-    units: list[str] = []
-    for m in [*turns[:q], *turns[q + 1 : a]]:
-        units.extend(_units(m))
+    units: list[tuple[int, str]] = []
+    for i in [*range(q), *range(q + 1, a)]:
+        units.extend((i, u) for u in _units(turns[i], max_turn_chars))
     # Very long contexts: keep the units nearest the question, each bounded in length.
-    units = [u[:max_sentence_chars] for u in units[-max_context_sentences:]]
-    return Normalised(question=question, answer=answer, reasoning_trace=trace, context_sentences=units)
+    units = units[-max_context_sentences:]
+    return Normalised(question=question, answer=answer, reasoning_trace=trace,
+                      context_sentences=[u[:max_sentence_chars] for _, u in units], context_turns=[i for i, _ in units])

@@ -1,12 +1,14 @@
 """Length limits per document and packing of documents into fixed-length training rows.
 
-A document is one record's prompt + completion tokens with labels (-100 on the prompt). Packing
-never splits a document across rows: a document longer than `seq_len` is rejected or (by
-configuration) has its answer's tail cut off, and the cut is counted. Rows follow the
+A document is one rendered conversation: its token ids with labels (-100 on every token the loss
+must not look at: system prompt, user turns, tool schemas and results). Packing never splits a
+document across rows: a document longer than `seq_len` is rejected or (by configuration) cut at
+`seq_len` when trained tokens remain before the cut, and the cut is counted. Rows follow the
 train-ready contract (DESIGN.md): `input_ids`, `labels` (-100 on prompt and padding),
 `position_ids` restarting at 0 at each document. Padding fills the end of a row as one more
 segment whose positions also restart at 0, so attention never joins padding to a document.
-Pure numpy: runs inside Spark's `mapInPandas`, one buffer of documents at a time.
+Pure numpy (+ pandas for `pack_partitions`): runs inside Spark's `mapInPandas`, one buffer of
+documents at a time.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 IGNORE_INDEX = -100
 
@@ -38,34 +41,38 @@ class LengthLimits:
 class Document:
     input_ids: np.ndarray  # int32
     labels: np.ndarray  # int32, IGNORE_INDEX on the prompt
-    n_prompt: int
-    n_answer: int  # completion tokens kept (labels != IGNORE_INDEX)
+    n_prompt: int  # tokens without loss (prompt, system, tool results)
+    n_answer: int  # trained tokens kept (labels != IGNORE_INDEX)
     truncated: bool
 
 
 def make_document(
-    prompt_ids: Sequence[int], completion_ids: Sequence[int], limits: LengthLimits, eos_id: int | None = None
+    input_ids: Sequence[int], targets: Sequence[bool], limits: LengthLimits, eos_id: int | None = None
 ) -> Document | tuple[str, str]:
-    """A trainable document, or (reason, detail) when a length limit refuses it."""
-    n_p, n_c = len(prompt_ids), len(completion_ids)
-    answer_tokens = n_c - (1 if eos_id is not None and n_c and completion_ids[-1] == eos_id else 0)
-    total = n_p + n_c
+    """A trainable document from a rendered conversation, or (reason, detail) when a length limit
+    refuses it. `targets[i]`: the loss looks at token i."""
+    ids = np.asarray(input_ids, dtype=np.int32)
+    tgt = np.asarray(targets, dtype=bool)
+    n = len(ids)
+    eos_targets = int(np.count_nonzero(tgt & (ids == eos_id))) if eos_id is not None else 0
+    answer_tokens = int(np.count_nonzero(tgt)) - eos_targets
     if answer_tokens < limits.min_answer_tokens:
-        return ANSWER_TOO_SHORT, f"answer has {answer_tokens} tokens < min_answer_tokens={limits.min_answer_tokens}"
-    if total > limits.max_tokens:
-        return TOO_LONG, f"{total} tokens > max_tokens={limits.max_tokens}"
+        return ANSWER_TOO_SHORT, f"assistant turns have {answer_tokens} tokens < min_answer_tokens={limits.min_answer_tokens}"
+    if n > limits.max_tokens:
+        return TOO_LONG, f"{n} tokens > max_tokens={limits.max_tokens}"
     truncated = False
-    if total > limits.seq_len:
-        room = limits.seq_len - n_p
+    if n > limits.seq_len:
         if limits.overflow == "reject":
-            return EXCEEDS_SEQ_LEN, f"{total} tokens > seq_len={limits.seq_len} (overflow=reject)"
-        if room < max(1, limits.min_answer_tokens):
-            return PROMPT_EXCEEDS_SEQ_LEN, f"prompt has {n_p} tokens; seq_len={limits.seq_len} leaves {room} for the answer"
-        completion_ids, n_c, truncated = completion_ids[:room], room, True
-    ids = np.fromiter((*prompt_ids, *completion_ids), dtype=np.int32, count=n_p + n_c)
-    labels = ids.copy()
-    labels[:n_p] = IGNORE_INDEX
-    return Document(ids, labels, n_p, n_c, truncated)
+            return EXCEEDS_SEQ_LEN, f"{n} tokens > seq_len={limits.seq_len} (overflow=reject)"
+        kept = int(np.count_nonzero(tgt[: limits.seq_len]))
+        if kept < max(1, limits.min_answer_tokens):
+            first = int(np.argmax(tgt)) if tgt.any() else n
+            return PROMPT_EXCEEDS_SEQ_LEN, (f"the first trained token is at {first}; seq_len={limits.seq_len} leaves "
+                                            f"{kept} trained tokens")
+        ids, tgt, truncated = ids[: limits.seq_len], tgt[: limits.seq_len], True
+    labels = np.where(tgt, ids, IGNORE_INDEX).astype(np.int32)
+    n_answer = int(np.count_nonzero(tgt))
+    return Document(ids, labels, len(ids) - n_answer, n_answer, truncated)
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -113,3 +120,25 @@ def split_documents(position_ids: np.ndarray) -> list[tuple[int, int]]:
     """[start, end) of each segment of a packed row (documents, then the padding segment if any)."""
     starts = [0] + [i for i in range(1, len(position_ids)) if position_ids[i] == 0]
     return list(zip(starts, starts[1:] + [len(position_ids)], strict=True))
+
+
+ROW_SCHEMA = "input_ids array<int>, labels array<int>, position_ids array<int>"
+
+
+def pack_partitions(batches: Iterator[pd.DataFrame], seq_len: int, pad_id: int, buffer_docs: int) -> Iterator[pd.DataFrame]:
+    """mapInPandas body: documents (sorted by key) -> packed rows, `buffer_docs` documents at a time."""
+
+    def flush(buf):
+        rows = list(pack(buf, seq_len, pad_id))
+        return pd.DataFrame({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows],
+                             "position_ids": [r[2] for r in rows]})
+
+    buf: list = []
+    for pdf in batches:
+        for ids, labels in zip(pdf["input_ids"], pdf["labels"], strict=True):
+            buf.append((np.asarray(ids, dtype=np.int32), np.asarray(labels, dtype=np.int32)))
+            if len(buf) >= buffer_docs:
+                yield flush(buf)
+                buf = []
+    if buf:
+        yield flush(buf)

@@ -58,8 +58,9 @@ def glob_files(spark: SparkSession, pattern: str) -> list[str]:
 
 
 def find_input_files(spark: SparkSession, input_uri: str, splits: list[str], fmt: str) -> tuple[str, list[str]]:
-    """(format, files). Split selection applies to files named `<split>-*`; a directory without such
-    names is read whole (with a warning)."""
+    """(format, files). Split selection applies to files named `<split>-*`: every requested split
+    must have files (else an error naming the missing ones and the splits that exist). A directory
+    with no such names at all is read whole (with a warning)."""
     base = uris.to_spark_uri(input_uri).rstrip("/")
     formats = ["parquet", "jsonl"] if fmt == "auto" else [fmt]
     tried = []
@@ -68,11 +69,18 @@ def find_input_files(spark: SparkSession, input_uri: str, splits: list[str], fmt
         if base.endswith(tuple(f".{e}" for e in exts)):
             return f, glob_files(spark, base)
         for layout in ("data/", ""):
-            pats = [f"{base}/{layout}{s}-*.{e}" for s in splits for e in exts]
-            tried += pats
-            files = sorted({p for pat in pats for p in glob_files(spark, pat)})
-            if files:
-                return f, files
+            per_split = {s: sorted({p for e in exts for p in glob_files(spark, f"{base}/{layout}{s}-*.{e}")})
+                         for s in splits}
+            tried += [f"{base}/{layout}{s}-*.{e}" for s in splits for e in exts]
+            if any(per_split.values()):
+                missing = [s for s, fs in per_split.items() if not fs]
+                if missing:
+                    present = sorted({p.rpartition("/")[2].partition("-")[0]
+                                      for e in exts for p in glob_files(spark, f"{base}/{layout}*-*.{e}")})
+                    raise FileNotFoundError(
+                        f"requested split(s) {missing} have no {layout}<split>-*.{exts[0]} files under {input_uri}; "
+                        f"splits present: {present}. Set enrich.splits to the ones you mean")
+                return f, sorted({p for fs in per_split.values() for p in fs})
         for layout in ("data/", ""):
             pats = [f"{base}/{layout}*.{e}" for e in exts]
             tried += pats
@@ -148,19 +156,26 @@ def parse_json_line(line: str) -> dict[str, Any]:
     """One JSON Lines record -> the raw columns; never raises."""
     out: dict[str, Any] = dict.fromkeys(STRING_FIELDS)
     out.update(messages_json=None, raw=line, read_error=None)
+    if "\ufffd" in line:  # Spark's text reader replaces invalid UTF-8 bytes with U+FFFD
+        out["read_error"] = "invalid_utf8: the line holds bytes that are not UTF-8 (or a U+FFFD replacement character)"
+        return out
     try:
         rec = json.loads(line)
-    except ValueError as e:
-        out["read_error"] = f"unparseable_json: {e}"
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than Python's stack
+        out["read_error"] = f"unparseable_json: {type(e).__name__}: {str(e)[:200]}"
         return out
     if not isinstance(rec, dict):
         out["read_error"] = f"not_an_object: a JSON {type(rec).__name__}"
         return out
-    for f in STRING_FIELDS:
-        v = rec.get(f)
-        out[f] = v if v is None or isinstance(v, str) else json.dumps(v, ensure_ascii=False)
-    if rec.get("messages") is not None:
-        out["messages_json"] = json.dumps(rec["messages"], ensure_ascii=False)
+    try:
+        for f in STRING_FIELDS:
+            v = rec.get(f)
+            out[f] = v if v is None or isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+        if rec.get("messages") is not None:
+            out["messages_json"] = json.dumps(rec["messages"], ensure_ascii=False)
+    except RecursionError:
+        out.update(dict.fromkeys(STRING_FIELDS), messages_json=None,
+                   read_error="unparseable_json: RecursionError: nested too deeply to re-encode")
     return out
 
 

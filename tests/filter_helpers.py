@@ -54,7 +54,10 @@ def enriched_table(recs: list[Rec]):
             "sim_context_question": float(ctx[i] @ q[i]) if r.relevant else None,
             "sim_context_answer": float(ctx[i] @ a[i]) if r.relevant else None,
             "sim_question_answer": float(q[i] @ a[i]),
-            "messages": [{"role": "user", "content": r.question}, {"role": "assistant", "content": r.answer}],
+            "messages": ([{"role": "system", "content": " ".join(r.relevant)}] if r.relevant else [])
+            + [{"role": "user", "content": r.question},
+               {"role": "assistant", "content": f"<think>{r.reasoning_trace}</think>{r.answer}" if r.reasoning_trace
+                else r.answer}],
             "question_embedding": None if r.drop_question_embedding else q[i].tolist(),
             "answer_embedding": a[i].tolist(),
         })

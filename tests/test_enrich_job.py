@@ -29,6 +29,7 @@ CONTRACT = {
     "relevant_sentences": pa.list_(pa.struct([("text", pa.string()), ("index", pa.int32()), ("score", pa.float64())])),
     "sim_context_question": pa.float64(), "sim_context_answer": pa.float64(), "sim_question_answer": pa.float64(),
     "question_embedding": pa.list_(pa.float32()), "answer_embedding": pa.list_(pa.float32()),
+    "context_turns": pa.list_(pa.int32()), "context_question_scores": pa.list_(pa.float64()),
 }
 
 
@@ -70,7 +71,8 @@ def test_artifact_follows_the_contract(sample_run):
         assert data.schema.field(name).type == typ, name
     assert data.schema.field("messages").type == sample_data.arrow_schema().field("messages").type
     assert m.kind == "enriched" and m.extra["embedding_dim"] == 384
-    assert set(m.extra["extra_columns"]) == {"question_embedding", "answer_embedding", "metadata"}
+    assert set(m.extra["extra_columns"]) == {"question_embedding", "answer_embedding", "metadata", "context_turns",
+                                             "context_question_scores"}
     assert sample_run["rejects"].column_names == ["id", "stage", "reason", "raw"]
     verify_artifact(sample_run["out"])  # every file present with its manifest's sha256
     assert {f["path"].split("/")[0] for f in m.files} == {"data", "rejects"}
@@ -135,8 +137,10 @@ def test_rerun_does_no_work_and_another_config_is_refused(sample_run, monkeypatc
     def no_spark(*a, **k):
         raise AssertionError("a committed artifact must not start Spark")
 
-    monkeypatch.setattr(enrich, "spark_session", no_spark)
-    monkeypatch.setattr(enrich, "staging_for", no_spark)
+    from spark_jobs import common
+
+    monkeypatch.setattr(common, "spark_session", no_spark)
+    monkeypatch.setattr(common, "attempt_staging", no_spark)
     again = enrich.run(uris.qualify(SAMPLE), out, cfg)
     assert again.sha256 == sample_run["manifest"].sha256
     assert {p: p.stat().st_mtime_ns for p in root.rglob("*")} == before

@@ -100,7 +100,8 @@ def test_unclosed_think_is_all_reasoning():
         ([m("user", "Q"), m("assistant", "", [{"id": "x"}]), m("tool", "r"), m("assistant", "A")], "bad_tool_call"),
         ([m("assistant", "A"), m("user", "Q")], "no_answered_question"),
         ([m("user", "Q"), m("system", "S"), m("assistant", "A")], "roles_out_of_order"),
-        ([m("user", None), m("assistant", "A")], "empty_question"),
+        ([m("user", None), m("assistant", "A")], "prompt_withheld"),
+        ([m("user", "-"), m("assistant", "A")], "prompt_withheld"),
     ],
 )
 def test_rejects_with_reason(messages, reason):

@@ -14,7 +14,8 @@ import pytest
 from pipeline_core import uris
 from pipeline_core.artifacts import ArtifactConflict, fetch_artifact
 from pipeline_core.config import ConfigError, FilterSection, load_config
-from spark_jobs.chat_format import load_tokenizer, render
+from spark_jobs.chat_format import load_tokenizer
+from spark_jobs.conversation import ConversationOptions, build_conversation, prompt_text, sha256_hex
 from spark_jobs.packing import IGNORE_INDEX, split_documents
 from spark_jobs.split import split_column, split_of
 from tests.filter_helpers import (
@@ -78,7 +79,7 @@ def test_rows_in_equal_kept_plus_rejected_by_reason(filtered):
     for rid, row in filtered.rejects.items():
         assert row["stage"] == "filter"
         raw = json.loads(row["raw"])
-        assert raw["id"] == rid and raw["question"] is not None and raw["detail"]
+        assert raw["id"] == rid and raw["messages"] and raw["detail"]
 
 
 def test_row_and_length_filters_drop_what_they_must(filtered):
@@ -117,16 +118,16 @@ def read_rows(local: Path, split: str) -> list[dict]:
     return table.to_pylist()
 
 
-def test_packed_rows_decode_to_rendered_texts_and_mask_only_answers(filtered):
+def _conversation(r):
+    return build_conversation(r["messages"], r.get("metadata"), r["reasoning"], ConversationOptions())
+
+
+def test_packed_rows_are_mistral_common_encodings_with_assistant_masks(filtered):
     tok = load_tokenizer("mistral-v1")
     seq_len = filtered.cfg.filter.seq_len
     by_id = {r["id"]: r for r in filtered.table.to_pylist()}
-    expected = {}
-    for rid in kept_ids(filtered):
-        r = by_id[rid]
-        prompt, completion = render([s["text"] for s in r["relevant_sentences"]], r["question"], r["answer"])
-        expected[rid] = (prompt, completion, *tok.encode(prompt, completion))
-    by_tokens = {tuple(p + c): rid for rid, (_, _, p, c) in expected.items()}
+    expected = {rid: tok.reference_ids(_conversation(by_id[rid])) for rid in kept_ids(filtered)}
+    by_tokens = {tuple(ids): rid for rid, ids in expected.items()}
     seen: dict[str, str] = {}
     for split in ("train", "val"):
         for row in read_rows(filtered.local, split):
@@ -137,45 +138,54 @@ def test_packed_rows_decode_to_rendered_texts_and_mask_only_answers(filtered):
                 if all(label == IGNORE_INDEX for label in seg_labels) and set(seg) == {tok.pad_id}:
                     assert end == seq_len  # padding only at the end of a row
                     continue
-                rid = by_tokens[tuple(seg)]
-                prompt, completion, p_ids, c_ids = expected[rid]
-                assert tok.decode(seg) == f"[INST] {prompt} [/INST] {completion}"
-                assert seg_labels == [IGNORE_INDEX] * len(p_ids) + c_ids  # loss exactly on the answer (+ </s>)
-                assert tok.decode([t for t, lab in zip(seg, seg_labels, strict=True) if lab != IGNORE_INDEX]) == completion
+                rid = by_tokens[tuple(seg)]  # exactly mistral-common's encode_instruct of the conversation
+                answer = by_id[rid]["answer"]
+                # loss exactly on the (single) assistant turn + </s>: the tail after the last [/INST]
+                inst_end = max(i for i in range(len(seg)) if tok.decode(seg[: i + 1]).endswith("[/INST]"))
+                assert seg_labels == [IGNORE_INDEX] * (inst_end + 1) + seg[inst_end + 1:]
+                assert tok.decode([t for t, lab in zip(seg, seg_labels, strict=True) if lab != IGNORE_INDEX]) == answer
                 assert seg[0] == tok.bos_id and seg[-1] == tok.eos_id
                 assert rid not in seen
                 seen[rid] = split
     assert set(seen) == set(expected)  # every kept record packed exactly once, none split across rows
+    f = filtered.cfg.filter
     for rid, split in seen.items():
-        assert split == split_of(rid, filtered.cfg.filter.seed, filtered.cfg.filter.val_fraction)
+        assert split == split_of(sha256_hex(prompt_text(_conversation(by_id[rid]))), f.seed, f.val_fraction)
     assert set(seen.values()) == {"train", "val"}
 
 
-def test_prompt_carries_relevant_context(filtered):
+def test_system_prompt_is_placed_as_mistral_v1_places_it(filtered):
     tok = load_tokenizer("mistral-v1")
     text = tok.decode(sum((r["input_ids"] for s in ("train", "val") for r in read_rows(filtered.local, s)), []))
-    assert "[INST] France is a country in Western Europe.\nIts government sits in Paris.\n\nWhat is the capital of France? [/INST]" in text
+    # the tool record's context is its system prompt: merged into the first user turn, blank line between
+    assert "[INST] get_weather(city='Paris') returned: 18C, sunny.\n\nWhat is the weather in Paris right now? [/INST]" in text
 
 
-def test_manifest_names_tokenizer_template_tokens_and_efficiency(filtered):
+def test_manifest_is_a_train_ready_info_with_tokens_and_efficiency(filtered):
+    from pipeline_core.handoffs import TrainReadyInfo
+
     m = filtered.manifest
     extra = m.extra
+    info = TrainReadyInfo.from_manifest(m)
     assert m.kind == "train-ready" and m.inputs[0]["uri"] == filtered.in_uri
-    assert extra["tokenizer"]["spec"] == "mistral-v1" and extra["tokenizer"]["file"] == "tokenizer.model.v1"
-    assert len(extra["tokenizer"]["sha256"]) == 64 and extra["tokenizer"]["vocab_size"] == 32000
-    assert extra["template"]["format"] == "<s>[INST] {prompt} [/INST] {completion}</s>"
-    assert extra["seq_len"] == 128 and extra["pad_token_id"] == 0
+    assert info.tokenizer.name == "mistral-v1" and info.tokenizer.vocab_size == 32000
+    assert (info.tokenizer.bos_id, info.tokenizer.eos_id, info.tokenizer.pad_id) == (1, 2, 0)
+    assert "[INST]" in info.tokenizer.chat_template
+    assert extra["tokenizer_details"]["file"] == "tokenizer.model.v1" and len(extra["tokenizer_details"]["sha256"]) == 64
+    assert info.seq_len == 128 and extra["pad_token_id"] == 0
+    assert info.train_on == "all_assistant_turns" and info.prompt_context == "conversation"
     non_pad = slots = 0
     for split in ("train", "val"):
         rows = read_rows(filtered.local, split)
         pad = sum(1 for r in rows for i, lab in zip(r["input_ids"], r["labels"], strict=True) if i == 0 and lab == IGNORE_INDEX)
         tokens = sum(len(r["input_ids"]) for r in rows) - pad
-        assert extra["tokens"][split] == extra["splits"][split]["doc_tokens"] == tokens
-        assert extra["splits"][split]["rows"] == len(rows)
+        assert info.tokens[split] == extra["splits"][split]["doc_tokens"] == tokens
+        assert info.target_tokens[split] == sum(1 for r in rows for lab in r["labels"] if lab != IGNORE_INDEX)
+        assert info.sequences[split] == extra["splits"][split]["rows"] == len(rows)
         non_pad, slots = non_pad + tokens, slots + 128 * len(rows)
-    assert extra["packing_efficiency"] == round(non_pad / slots, 4)
-    assert extra["packing_efficiency"] > 0.7
-    assert sum(s["documents"] for s in extra["splits"].values()) == m.counts["out"]
+    assert info.packing_efficiency == round(non_pad / slots, 4)
+    assert info.packing_efficiency > 0.7
+    assert sum(info.documents.values()) == m.counts["out"]
 
 
 def test_rerun_is_a_noop_and_other_config_conflicts(filtered, spark):
@@ -187,10 +197,29 @@ def test_rerun_is_a_noop_and_other_config_conflicts(filtered, spark):
         run(filtered.in_uri, filtered.out_uri, make_cfg(filtered.root, seq_len=256), spark=spark)
 
 
+# Golden vectors of the published rule (split.SPLIT_RULE): prompt key -> split, computed once by hand
+# from the formula, so a formula change cannot be mirrored on both sides of an assertion.
+GOLDEN_KEYS = [sha256_hex(t) for t in ("", "a", "What is 2+2?", "system\u0001\u0003user\u0001what is the capital of france?")]
+GOLDEN = [(1234, 0.3, ["val", "train", "train", "train"]), (7, 0.5, ["val", "val", "train", "train"])]
+GOLDEN_FRACTIONS = {1234: [0.09885728637029256, 0.3831277152748094, 0.7566032774513096, 0.5770742676013287],
+                    7: [0.2809037369788716, 0.2737250290644011, 0.5212814426125336, 0.7243710546227924]}
+
+
+def test_split_rule_golden_vectors():
+    from spark_jobs.split import split_fraction
+
+    for seed, frac, want in GOLDEN:
+        assert [split_of(k, seed, frac) for k in GOLDEN_KEYS] == want
+        assert [split_fraction(k, seed) for k in GOLDEN_KEYS] == GOLDEN_FRACTIONS[seed]
+    conv = build_conversation([{"role": "user", "content": "What is  the capital of \uff26\uff32\uff21\uff2e\uff23\uff25?"},
+                               {"role": "assistant", "content": "Paris"}], None, None, ConversationOptions())
+    assert sha256_hex(prompt_text(conv)) == GOLDEN_KEYS[3]  # NFKC + white space + case folding
+
+
 def test_split_is_stable_across_partitionings_and_matches_python(spark):
     from pyspark.sql import functions as F
 
-    ids = [f"id-{i}" for i in range(3000)]
+    ids = [sha256_hex(f"prompt-{i}") for i in range(3000)]
     df = spark.createDataFrame([(i,) for i in ids], "id string")
     results = []
     for n in (1, 3):
@@ -200,8 +229,12 @@ def test_split_is_stable_across_partitionings_and_matches_python(spark):
     assert results[0] == results[1] == expected
     share = sum(v == "val" for v in expected.values()) / len(ids)
     assert 0.08 < share < 0.12
-    assert df.select(split_column(F.col("id"), 43, 0.1).alias("s")).filter("s = 'val'").count() != sum(
-        v == "val" for v in expected.values())  # the seed matters
+    spark_golden = spark.createDataFrame([(k,) for k in GOLDEN_KEYS], "id string").select(
+        split_column("id", 1234, 0.3).alias("s")).collect()
+    assert [r["s"] for r in spark_golden] == GOLDEN[0][2]
+    other = {r["id"]: r["s"] for r in df.select("id", split_column(F.col("id"), 43, 0.1).alias("s")).collect()}
+    assert other != expected  # the seed matters: another seed assigns different prompts to val
+    assert sum(other[i] != expected[i] for i in ids) > 100
 
 
 def test_near_duplicate_detection_is_independent_of_partitioning(filtered, spark):

@@ -7,7 +7,8 @@ import random
 import numpy as np
 import pytest
 
-from spark_jobs.chat_format import load_tokenizer, render
+from spark_jobs.chat_format import load_tokenizer
+from spark_jobs.conversation import Conversation, RenderError, Turn
 from spark_jobs.packing import (
     ANSWER_TOO_SHORT,
     EXCEEDS_SEQ_LEN,
@@ -23,43 +24,22 @@ from spark_jobs.packing import (
 )
 from spark_jobs.split import split_of
 
-CASES = [
-    ("What is 2+2?", "It is 4."),
-    ("Context line one.\nLine two: ü, 漢字, emoji 🙂.\n\nWhat now?", "  Leading spaces and\nnew lines.\n"),
-    ("[INST] looks like a tag [/INST]", "</s> is just text here"),
-]
-
-
-@pytest.mark.parametrize("spec", ["mistral-v1", "mistral-v3"])
-def test_prompt_plus_completion_is_mistral_commons_own_encoding(spec):
-    tok = load_tokenizer(spec)
-    for prompt, completion in CASES:
-        p, c = tok.encode(prompt, completion)
-        assert p + c == tok.encode_full(prompt, completion)
-        assert p == tok._prompt_slow(prompt)  # whichever prompt encoder was chosen at load
-        assert p[0] == tok.bos_id and c[-1] == tok.eos_id
-    assert tok._encode_prompt == tok._prompt_fast  # the fast path is in use with this mistral-common
-
-
-def test_v1_template_text():
-    tok = load_tokenizer("mistral-v1")
-    p, c = tok.encode("Hello there?", "General Kenobi.")
-    assert tok.decode(p + c) == "[INST] Hello there? [/INST] General Kenobi."
-    assert tok.decode(c) == "General Kenobi."
-    assert tok.identity()["template"]["format"] == "<s>[INST] {prompt} [/INST] {completion}</s>"
-
-
-def test_render_context_question_and_reasoning():
-    assert render([], " Q? ", " A. ") == ("Q?", "A.")
-    assert render(["S1.", " ", "S2."], "Q?", "A.") == ("S1.\nS2.\n\nQ?", "A.")
-    assert render(None, "Q?", "A.", reasoning_trace="think", train_on_reasoning=False) == ("Q?", "A.")
-    assert render(None, "Q?", "A.", reasoning_trace="think", train_on_reasoning=True) == ("Q?", "<think>\nthink\n</think>\n\nA.")
-
-
 MISTRAL_V01_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
     "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ ' ' + message['content'] + eos_token }}"
     "{% endif %}{% endfor %}"
+)
+# The same layout with the assistant turns marked for `return_assistant_tokens_mask`.
+GENERATION_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{% generation %}{{ ' ' + message['content'] + eos_token }}"
+    "{% endgeneration %}{% endif %}{% endfor %}"
+)
+# Renders the last user turn differently from the same turn earlier: prefixes are not prefixes.
+SHIFTING_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{% if loop.last %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ message['content'] }}{% endif %}"
+    "{% else %}{{ ' ' + message['content'] + eos_token }}{% endif %}{% endfor %}"
 )
 
 
@@ -77,45 +57,75 @@ def hf_dir(path, chat_template=None):
     return str(path)
 
 
-def test_hf_tokenizer_without_template_uses_the_v1_format(tmp_path):
-    v1 = load_tokenizer("mistral-v1")
-    tok = load_tokenizer(hf_dir(tmp_path))
-    assert tok.identity()["tokenizer"]["kind"] == "huggingface"
-    assert tok.identity()["template"]["name"] == "mistral-instruct-v1-text"
-    # (HF's SentencePiece->BPE conversion merges runs of spaces differently, so plain text only)
-    for prompt, completion in [CASES[0], ("France is in Europe.\n\nWhat is its capital?", "Paris.")]:
-        assert tok.encode(prompt, completion) == v1.encode(prompt, completion)
+TWO_TURNS = Conversation(None, (Turn("user", "What is 2+2?"), Turn("assistant", "It is 4."),
+                                Turn("user", "And 3+3?"), Turn("assistant", "It is 6.")))
 
 
-def test_hf_tokenizer_with_chat_template_splits_prompt_and_answer(tmp_path):
-    tok = load_tokenizer(hf_dir(tmp_path, MISTRAL_V01_TEMPLATE))
-    assert tok.identity()["template"]["name"] == "hf-chat-template"
-    p, c = tok.encode("What is 2+2?", "It is 4.")
-    assert p[0] == tok.bos_id and c[-1] == tok.eos_id
-    assert tok.decode(p) == "[INST] What is 2+2? [/INST]" and tok.decode(c) == "It is 4."
+def target_runs(r):
+    runs, cur = [], []
+    for i, t in zip(r.input_ids, r.targets, strict=True):
+        if t:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    return runs + ([cur] if cur else [])
+
+
+@pytest.mark.parametrize("template", [MISTRAL_V01_TEMPLATE, GENERATION_TEMPLATE])
+def test_hf_tokenizer_masks_assistant_turns_from_its_own_template(tmp_path, template):
+    tok = load_tokenizer(hf_dir(tmp_path, template))
+    assert tok.identity()["kind"] == "huggingface"
+    assert tok.identity()["assistant_mask"] == ("generation blocks" if "generation" in template else "prefix renderings")
+    assert tok.spec_for_manifest().chat_template == template  # the tokenizer's own template is recorded
+    r = tok.render(TWO_TURNS)
+    assert r.input_ids[0] == tok.bos_id and r.input_ids[-1] == tok.eos_id
+    assert tok.decode(r.input_ids) == "[INST] What is 2+2? [/INST] It is 4.[INST] And 3+3? [/INST] It is 6."
+    assert [tok.decode(s) for s in target_runs(r)] == ["It is 4.", "It is 6."]
+    assert all(s[-1] == tok.eos_id for s in target_runs(r))  # each turn's </s> is trained
+    assert [tok.decode(s) for s in target_runs(tok.render(TWO_TURNS, "last_assistant_turn"))] == ["It is 6."]
+
+
+def test_hf_templates_that_cannot_be_masked_are_refused(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with pytest.raises(ValueError, match="has no chat_template"):
+        load_tokenizer(hf_dir(tmp_path / "a"))
+    tok = load_tokenizer(hf_dir(tmp_path / "b", SHIFTING_TEMPLATE))
+    with pytest.raises(RenderError) as e:
+        tok.render(TWO_TURNS)
+    assert e.value.reason == "template_unsupported" and "prefix" in e.value.detail
 
 
 LIMITS = LengthLimits(seq_len=16, max_tokens=20, min_answer_tokens=2, overflow="reject")
 
 
+def pc(prompt, completion):
+    """(ids, targets) of a prompt followed by one trained completion."""
+    return [*prompt, *completion], [False] * len(prompt) + [True] * len(completion)
+
+
 def test_length_limits_reject_with_reasons():
     eos = 2
-    doc = make_document([1, 5, 6], [7, 8, eos], LIMITS, eos)
+    doc = make_document(*pc([1, 5, 6], [7, 8, eos]), LIMITS, eos)
     assert isinstance(doc, Document) and doc.n_prompt == 3 and doc.n_answer == 3 and not doc.truncated
     assert doc.labels.tolist() == [IGNORE_INDEX] * 3 + [7, 8, eos] and doc.input_ids.dtype == np.int32
-    assert make_document([1, 5], [7, eos], LIMITS, eos)[0] == ANSWER_TOO_SHORT
-    assert make_document([1] * 10, [7] * 11, LIMITS, eos)[0] == TOO_LONG
-    assert make_document([1] * 10, [7] * 8, LIMITS, eos)[0] == EXCEEDS_SEQ_LEN
+    assert make_document(*pc([1, 5], [7, eos]), LIMITS, eos)[0] == ANSWER_TOO_SHORT
+    assert make_document(*pc([1] * 10, [7] * 11), LIMITS, eos)[0] == TOO_LONG
+    assert make_document(*pc([1] * 10, [7] * 8), LIMITS, eos)[0] == EXCEEDS_SEQ_LEN
+    # multi-turn: targets anywhere, the count is over all of them
+    multi = make_document([1, 5, 7, 2, 6, 8, 9, 2], [False, False, True, True, False, False, True, True], LIMITS, eos)
+    assert multi.labels.tolist() == [IGNORE_INDEX, IGNORE_INDEX, 7, 2, IGNORE_INDEX, IGNORE_INDEX, 9, 2]
 
 
 def test_truncate_cuts_only_the_answer_tail_and_counts_it():
     eos = 2
     limits = LengthLimits(seq_len=16, max_tokens=40, min_answer_tokens=2, overflow="truncate")
-    doc = make_document(list(range(100, 110)), list(range(200, 210)) + [eos], limits, eos)
+    doc = make_document(*pc(list(range(100, 110)), list(range(200, 210)) + [eos]), limits, eos)
     assert doc.truncated and len(doc.input_ids) == 16 and doc.n_answer == 6
     assert doc.input_ids.tolist()[:10] == list(range(100, 110))  # the prompt is whole
     assert doc.labels.tolist()[10:] == list(range(200, 206))
-    assert make_document(list(range(15)), [7, 8, eos], limits, eos)[0] == PROMPT_EXCEEDS_SEQ_LEN
+    assert make_document(*pc(list(range(15)), [7, 8, eos]), limits, eos)[0] == PROMPT_EXCEEDS_SEQ_LEN
 
 
 def test_best_fit_decreasing_places_every_document_once_within_capacity():
@@ -151,7 +161,7 @@ def test_pack_rows_follow_the_contract():
     assert sorted(seen) == sorted(d[0].tolist() for d in docs)
 
 
-def test_split_of_is_a_pure_function_of_id_and_seed():
+def test_split_of_is_a_pure_function_of_prompt_key_and_seed():
     ids = [f"r{i}" for i in range(2000)]
     a = [split_of(i, 1, 0.25) for i in ids]
     assert a == [split_of(i, 1, 0.25) for i in ids]
@@ -159,26 +169,29 @@ def test_split_of_is_a_pure_function_of_id_and_seed():
     assert [split_of(i, 1, 0.0) for i in ids].count("val") == 0
 
 
-def test_tokenize_partitions_trains_on_the_reasoning_trace_only_when_configured():
+def test_render_partitions_trains_on_the_reasoning_trace_only_when_configured():
     import json
 
     import pandas as pd
 
     from pipeline_core.config import FilterSection
-    from spark_jobs.similarity_filter import tokenize_partitions
+    from spark_jobs.render_docs import render_partitions
 
     tok = load_tokenizer("mistral-v1")
     raw = json.dumps({"id": "a", "question": "Q?"})
-    pdf = pd.DataFrame({"id": ["a", "b"], "key": [1, 2], "split": ["train", "val"],
-                        "relevant": [np.array(["Some context."]), np.array([], dtype=object)],
-                        "question": ["Why is the sky blue?", "Q?"], "answer": ["Rayleigh scattering.", "A."],
-                        "reasoning_trace": ["Short wavelengths scatter more.", None],
-                        "reason": [None, "near_duplicate"], "raw": [raw, raw]})
+    msgs = [{"role": "system", "content": "Some context."}, {"role": "user", "content": "Why is the sky blue?"},
+            {"role": "assistant", "content": "<think>Short wavelengths scatter more.</think>Rayleigh scattering."}]
+    pdf = pd.DataFrame({"id": ["a", "b"], "category": ["stem", "chat"], "key": [1, 2], "split": ["train", None],
+                        "reason": [None, "near_duplicate"], "raw": [None, raw],
+                        "messages_json": [json.dumps(msgs), None], "metadata": [None, None], "reasoning": ["on", "off"],
+                        "context_sentences": [None, None], "context_turns": [None, None],
+                        "context_question_scores": [None, None]})
     for on in (False, True):
-        (out,) = tokenize_partitions(iter([pdf]), FilterSection(train_on_reasoning=on, seq_len=64, max_tokens=64))
+        (out,) = render_partitions(iter([pdf]), FilterSection(train_on_reasoning=on, seq_len=64, max_tokens=64))
         a, b = out.to_dict("records")
         answer = tok.decode([t for t, lab in zip(a["input_ids"], a["labels"], strict=True) if lab != IGNORE_INDEX])
         trace = "<think>\nShort wavelengths scatter more.\n</think>\n\n"
         assert answer == (trace if on else "") + "Rayleigh scattering."
-        assert tok.decode(a["input_ids"]).startswith("[INST] Some context.\n\nWhy is the sky blue? [/INST]")
+        system = "Some context.\n\n/think" if on else "Some context."
+        assert tok.decode(a["input_ids"]).startswith(f"[INST] {system}\n\nWhy is the sky blue? [/INST]")
         assert a["reason"] is None and b["reason"] == "near_duplicate" and b["input_ids"] is None and b["raw"] == raw

@@ -46,8 +46,13 @@ def test_sample_covers_every_shape():
         reasons.add(s["expected"].get("reject_reason"))
         langs.add(s["expected"].get("lang"))
     assert {"chat_single", "chat_multi", "context_selection", "tool", "reasoning", "exact_duplicate",
-            "near_duplicate", "mismatch", "malformed"} <= kinds
-    assert {"empty_messages", "no_answered_question", "empty_question", "empty_answer", "roles_out_of_order",
+            "near_duplicate", "mismatch", "malformed", "code_chat", "style_system", "multi_answer"} <= kinds
+    assert any(r["messages"] and r["messages"][0]["content"] == "-" for r in records if r["messages"])  # v1 code's "-"
+    assert any("</think>" in (m["content"] or "") and "<think>" not in (m["content"] or "")
+               for r in records if r["messages"] for m in r["messages"])  # a lone closing tag
+    assert all("parameters" in t["function"] for r in records for t in json.loads(r["metadata"]).get("tools", []))
+    assert any(json.loads(r["metadata"]).get("tools") for r in records)
+    assert {"empty_messages", "no_answered_question", "prompt_withheld", "empty_answer", "roles_out_of_order",
             "unknown_role", "bad_tool_arguments", "missing_id"} <= reasons
     assert {"en", "de", "fr", "es", "zh", "ja"} <= langs
     assert any(r["messages"] is None for r in records) and any(r["messages"] == [] for r in records)

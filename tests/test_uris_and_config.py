@@ -77,7 +77,7 @@ def test_dump_round_trip(tmp_path):
     [
         ({"enrich.top_k": 0}, "enrich.top_k", "greater than or equal to 1"),
         ({"storage.max_attempts": 99}, "storage.max_attempts", "less than or equal to 20"),
-        ({"enrich.splits": ["chat", "poetry"]}, "enrich.splits", "poetry"),
+        ({"enrich.splits": ["chat", "Poetry/x"]}, "enrich.splits", "Poetry/x"),
         ({"pipeline.dataset_version": "../../etc"}, "pipeline.dataset_version", "not allowed"),
         ({"pipeline.store_uri": "relative/store"}, "pipeline.store_uri", "bare path"),
         ({"enrich.reasoning": "maybe"}, "enrich.reasoning", "separate"),

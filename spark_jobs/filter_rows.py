@@ -1,0 +1,168 @@
+"""The filter's row decisions in Spark: row checks, exact and near duplicates, train/val split.
+
+`keyed(df, fcfg)` adds to every enriched row the keys computed from its conversation (one pandas
+UDF): `_prompt_key` (sha256 of the canonical prompt, what the split hashes), `_text_hash` (of the
+whole conversation, what exact dedup compares) and `_key` (a stable row key: id, text hash, and the
+row's place in its input file, so two rows never share one). `decisions(ctx, keyed, fcfg)` returns
+the small frame of rows that are *not* plain kept-in-their-split: (`_key`, `reason`, `detail`,
+`split`), from a lean persisted frame (keys, vectors, similarity; no messages). The caller joins
+it back to the full rows, so messages are read once, when rendering, and never persisted.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import pandas as pd  # module level: pandas_udf resolves its type hints in this module
+
+from pipeline_core.config import FilterSection
+from spark_jobs.conversation import (
+    ConversationOptions,
+    RenderError,
+    build_conversation,
+    dedup_text,
+    prompt_text,
+    sha256_hex,
+)
+
+if TYPE_CHECKING:
+    from pyspark.sql import Column, DataFrame
+
+    from spark_jobs.common import StageContext
+
+MISSING_FIELD = "missing_field"
+LOW_QA_SIMILARITY = "low_qa_similarity"
+KEYS_SCHEMA = "prompt_key string, text_hash string, error string"
+
+
+def conversation_options(fcfg: FilterSection) -> ConversationOptions:
+    return ConversationOptions(fcfg.train_on_reasoning, fcfg.reasoning_marker_on, fcfg.reasoning_marker_off)
+
+
+def conversation_keys(messages_json: str | None, metadata: str | None, reasoning: str | None,
+                      opts: ConversationOptions) -> tuple[str | None, str | None, str | None]:
+    """(prompt key, conversation hash, None) or (None, None, error) for one record."""
+    try:
+        conv = build_conversation(json.loads(messages_json) if messages_json else [], metadata, reasoning, opts)
+    except RenderError as e:
+        return None, None, e.detail
+    except (ValueError, TypeError, KeyError, RecursionError) as e:
+        return None, None, f"{type(e).__name__}: {e}"[:300]
+    return sha256_hex(prompt_text(conv)), sha256_hex(dedup_text(conv)), None
+
+
+def _keys_udf(opts: ConversationOptions):
+    from pyspark.sql.functions import pandas_udf
+
+    @pandas_udf(KEYS_SCHEMA)
+    def keys(messages_json: pd.Series, metadata: pd.Series, reasoning: pd.Series) -> pd.DataFrame:
+        rows = [conversation_keys(m, md, r, opts) for m, md, r in zip(messages_json, metadata, reasoning, strict=True)]
+        return pd.DataFrame(rows, columns=["prompt_key", "text_hash", "error"])
+
+    return keys
+
+
+def _opt(df: DataFrame, name: str) -> Column:
+    from pyspark.sql import functions as F
+
+    return F.col(name) if name in df.columns else F.lit(None).cast("string")
+
+
+def located(df: DataFrame) -> DataFrame:
+    """Enriched rows (straight from Parquet) + `_file` (file name), `_row` (row in the file): a
+    position that names the row on every re-read, and `_messages_json`."""
+    from pyspark.sql import functions as F
+
+    msgs = F.to_json("messages") if "messages" in df.columns else F.lit(None).cast("string")
+    return (df.withColumn("_messages_json", msgs)
+            .withColumn("_file", F.element_at(F.split(F.col("_metadata.file_path"), "/"), -1))
+            .withColumn("_row", F.col("_metadata.row_index")))
+
+
+def keyed(df: DataFrame, fcfg: FilterSection) -> DataFrame:
+    """`located` rows + `_prompt_key`, `_text_hash`, `_key`, `_check` (first failed row check's reason
+    or null) and `_check_detail`."""
+    from pyspark.sql import functions as F
+
+    df = (located(df)
+          .withColumn("_k", _keys_udf(conversation_options(fcfg))("_messages_json", _opt(df, "metadata"),
+                                                                   _opt(df, "reasoning")))
+          .withColumn("_prompt_key", F.col("_k.prompt_key"))
+          .withColumn("_text_hash", F.col("_k.text_hash"))
+          .withColumn("_key", F.xxhash64(F.coalesce(F.col("id"), F.lit("")), F.coalesce("_text_hash", F.lit("")),
+                                         "_file", "_row")))
+    blank = lambda c: F.col(c).isNull() | (F.length(F.trim(F.col(c))) == 0)  # noqa: E731
+    emb_bad = lambda c: F.col(c).isNull() | (F.size(F.col(c)) == 0)  # noqa: E731
+    checks = [
+        (blank("id"), MISSING_FIELD, F.lit("id is null or empty")),
+        (blank("question"), MISSING_FIELD, F.lit("question is null or empty")),
+        (blank("answer"), MISSING_FIELD, F.lit("answer is null or empty")),
+        (F.col("_k.error").isNotNull(), "render_failed", F.concat(F.lit("conversation: "), F.col("_k.error"))),
+        (emb_bad("question_embedding") | emb_bad("answer_embedding")
+         | (F.size("question_embedding") != F.size("answer_embedding")), MISSING_FIELD,
+         F.lit("question_embedding/answer_embedding missing or of different sizes")),
+        (F.col("sim_question_answer").isNull(), MISSING_FIELD, F.lit("sim_question_answer is null")),
+        (F.col("sim_question_answer") < fcfg.min_qa_similarity, LOW_QA_SIMILARITY,
+         F.format_string(f"sim_question_answer %.4f < min_qa_similarity={fcfg.min_qa_similarity}",
+                         F.col("sim_question_answer"))),
+    ]
+    reason, detail = F.lit(None).cast("string"), F.lit(None).cast("string")
+    for cond, r, d in reversed(checks):  # the first failing check wins
+        reason = F.when(cond, F.lit(r)).otherwise(reason)
+        detail = F.when(cond, d).otherwise(detail)
+    return df.withColumn("_check", reason).withColumn("_check_detail", detail).drop("_k")
+
+
+def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: list | None = None) -> DataFrame:
+    """(`_file`, `_row`, `_key`, `reason`, `detail`, `split`) for every row: `reason` null = kept, in
+    `split`. Computed on a lean persisted frame (no messages; the conversation UDF runs once). The
+    near-duplicate search's report (method, parameters, measured recall) is appended to `reports`."""
+    from pyspark.sql import functions as F
+
+    from spark_jobs import dedup
+    from spark_jobs.split import VAL, split_column
+
+    lean = ctx.persist(rows.select(
+        "id", "_file", "_row", "_key", "_prompt_key", "_text_hash", "_check", "_check_detail",
+        F.concat(F.col("question_embedding"), F.col("answer_embedding")).alias("_vec"),
+    ))
+    ok = F.col("_check").isNull()
+    marks = lean.filter(~ok).select("_key", F.col("_check").alias("reason"), F.col("_check_detail").alias("detail"))
+    eligible = lean.filter(ok)
+    if fcfg.exact_dedup:
+        exact = (dedup.mark_exact_duplicates(eligible, key="_key", hash_col="_text_hash", eligible=F.lit(True))
+                 .filter(F.col("_exact_rep").isNotNull()))
+        marks = marks.unionByName(exact.select(
+            "_key", F.lit(dedup.EXACT_DUPLICATE).alias("reason"),
+            F.concat(F.lit("duplicate of "), F.col("_exact_rep")).alias("detail")))
+        eligible = eligible.join(exact.select("_key"), "_key", "left_anti")
+    if fcfg.near_dup_threshold is not None:
+        found = dedup.near_duplicates(eligible, key="_key", vec="_vec", settings=dedup.settings_for(fcfg))
+        near = found.frame
+        if reports is not None:
+            reports.append(found.report)
+        marks = marks.unionByName(near.select(
+            "_key", F.lit(dedup.NEAR_DUPLICATE).alias("reason"),
+            F.format_string("near duplicate of %s (similarity %.4f)", F.col("_near_rep"), F.col("_near_sim")).alias("detail")))
+        eligible = eligible.join(near.select("_key"), "_key", "left_anti")
+    marks = marks.withColumn("split", F.lit(None).cast("string"))
+    # Validation cap: val prompts in hash order; a prompt whose documents would pass the cap moves,
+    # with every answer to it, to train (nothing is dropped, no prompt is on both sides).
+    val = eligible.withColumn("_s", split_column("_prompt_key", fcfg.seed, fcfg.val_fraction)).filter(F.col("_s") == VAL)
+    per_prompt = val.groupBy("_prompt_key").agg(F.count(F.lit(1)).alias("_n"))
+    from pyspark.sql import Window
+
+    w = Window.orderBy(F.sha2(F.concat(F.lit(f"{fcfg.seed}:"), F.col("_prompt_key")), 256), "_prompt_key")
+    over = (per_prompt.withColumn("_cum", F.sum("_n").over(w.rowsBetween(Window.unboundedPreceding, 0)))
+            .filter(F.col("_cum") > fcfg.val_max_documents).select("_prompt_key"))
+    moved = val.join(over, "_prompt_key").select(
+        "_key", F.lit(None).cast("string").alias("reason"), F.lit(None).cast("string").alias("detail"),
+        F.lit("train").alias("split"))
+    marks = marks.unionByName(moved)
+    reason = F.col("reason")
+    return lean.select("_file", "_row", "_key", "_prompt_key").join(marks, "_key", "left").select(
+        "_file", "_row", "_key", reason,
+        F.col("detail"),
+        F.when(reason.isNull(), F.coalesce("split", split_column("_prompt_key", fcfg.seed, fcfg.val_fraction))).alias("split"),
+    )

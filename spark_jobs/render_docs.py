@@ -1,0 +1,97 @@
+"""The filter's rendering step: each kept record's conversation -> one tokenized document.
+
+Runs as a `mapInPandas` body (the tokenizer is loaded once per executor process). A kept row is
+rendered with `chat_format` (the whole conversation, `filter.train_on` turns as targets), then the
+length limits apply (`packing.make_document`); a row that fails either becomes a reject with the
+reason and a detail, and a row rejected earlier passes through. One row in, one row out.
+
+`prompt_context: relevant`: before rendering, a system prompt or tool result longer than
+`relevant_context_tokens` is replaced, inside the same turn, by its `relevant_top_k` units with the
+highest similarity to the *question* (enrich's `context_question_scores`; never the answer, which
+serving does not have), in their original order and verbatim (code blocks, JSON, tables whole).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pandas as pd
+
+from pipeline_core.config import FilterSection
+from spark_jobs.chat_format import ChatTokenizer, load_tokenizer
+from spark_jobs.conversation import RenderError, build_conversation
+from spark_jobs.filter_rows import conversation_options
+from spark_jobs.packing import LengthLimits, make_document
+
+DOC_SCHEMA = (
+    "id string, key long, split string, input_ids array<int>, labels array<int>, n_prompt int, n_answer int, "
+    "truncated boolean, reason string, raw string"
+)
+RENDER_COLUMNS = ("id", "category", "key", "split", "reason", "raw", "messages_json", "metadata", "reasoning",
+                  "context_sentences", "context_turns", "context_question_scores")
+REDUCED_ROLES = ("system", "tool")
+
+
+def reduce_context(messages: list[dict[str, Any]], units: Sequence[str] | None, turns: Sequence[int] | None,
+                   scores: Sequence[float] | None, tok: ChatTokenizer, budget: int, top_k: int) -> list[dict[str, Any]]:
+    """`prompt_context: relevant`: long system prompts / tool results -> their question-relevant units."""
+    if units is None or turns is None or scores is None or len(units) == 0:
+        return messages
+    out = []
+    for i, m in enumerate(messages):
+        role = str(m.get("role") or "").strip().lower()
+        content = m.get("content") or ""
+        if role in REDUCED_ROLES and content and tok.count(content) > budget:
+            mine = [(j, units[j], scores[j]) for j in range(len(units)) if turns[j] == i]
+            if mine:
+                best = sorted(sorted(mine, key=lambda u: -u[2])[:top_k], key=lambda u: u[0])
+                m = {**m, "content": "\n".join(u[1] for u in best)}
+        out.append(m)
+    return out
+
+
+def _raw(rec, detail: str) -> str:
+    return json.dumps({"id": rec.id, "category": rec.category, "messages": rec.messages_json, "detail": detail},
+                      ensure_ascii=False)
+
+
+def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection) -> Iterator[pd.DataFrame]:
+    tok = load_tokenizer(fcfg.tokenizer)
+    opts = conversation_options(fcfg)
+    limits = LengthLimits(fcfg.seq_len, fcfg.max_tokens, fcfg.min_answer_tokens, fcfg.overflow)
+    relevant = fcfg.prompt_context == "relevant"
+    cols = [c for c in DOC_SCHEMA.split(", ")]
+    names = [c.split(" ")[0] for c in cols]
+    for pdf in batches:
+        out: dict[str, list[Any]] = {k: [] for k in names}
+        for rec in pdf.itertuples(index=False):
+            reason, raw, doc = rec.reason, rec.raw, None
+            if reason is None:
+                try:
+                    messages = json.loads(rec.messages_json)
+                    if relevant:
+                        messages = reduce_context(messages, rec.context_sentences, rec.context_turns,
+                                                  rec.context_question_scores, tok, fcfg.relevant_context_tokens,
+                                                  fcfg.relevant_top_k)
+                    conv = build_conversation(messages, rec.metadata, rec.reasoning, opts)
+                    rendered = tok.render(conv, fcfg.train_on)
+                    got = make_document(rendered.input_ids, rendered.targets, limits, tok.eos_id)
+                except RenderError as e:
+                    got = (e.reason, e.detail)
+                if isinstance(got, tuple):
+                    reason, raw = got[0], _raw(rec, got[1])
+                else:
+                    doc = got
+            out["id"].append(rec.id)
+            out["key"].append(rec.key)
+            out["split"].append(rec.split)
+            out["input_ids"].append(doc.input_ids if doc else None)
+            out["labels"].append(doc.labels if doc else None)
+            out["n_prompt"].append(doc.n_prompt if doc else None)
+            out["n_answer"].append(doc.n_answer if doc else None)
+            out["truncated"].append(doc.truncated if doc else None)
+            out["reason"].append(reason)
+            out["raw"].append(raw)
+        yield pd.DataFrame(out)
