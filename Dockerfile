@@ -152,8 +152,11 @@ COPY dags ./dags
 COPY sample_data ./sample_data
 # Editable, so the package's project root is /opt/mft: the embedded defaults (bundled sample,
 # spark_jobs/*.py paths) resolve inside the image, the same on Airflow, Spark and the trainer.
+# The project's own cache directory (<project>/.cache: the embedded tiny model, ...) is the
+# /cache volume, so the code stays read-only and what is cached survives the container.
 RUN /opt/uv/bin/uv pip install --python /opt/venv/bin/python --no-deps --no-build-isolation --no-cache \
-        --editable /opt/mft
+        --editable /opt/mft \
+ && ln -s /cache /opt/mft/.cache
 
 USER ${MFT_UID}
 

@@ -72,7 +72,9 @@ def test_runs_as_the_non_root_user(staging):
     assert proc.stdout.split() == [str(IMAGE_UID), "0", "mft"]
 
 
-WRITABLE = ["/data/staging", "/opt/airflow/logs", "/cache/huggingface", "/cache/torch_extensions", "/tmp", "/home/mft"]
+# /opt/mft/.cache: the project's cache dir (the tiny model), a link to the /cache volume
+WRITABLE = ["/data/staging", "/opt/airflow/logs", "/cache/huggingface", "/cache/torch_extensions", "/opt/mft/.cache",
+            "/tmp", "/home/mft"]
 READ_ONLY = ["/opt/mft", "/opt/mft/pipeline_core", "/opt/mft/dags", "/opt/venv/lib/python3.11/site-packages",
              "/opt/venv/bin", "/usr/local/lib", "/etc", "/"]
 
