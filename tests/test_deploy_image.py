@@ -157,5 +157,5 @@ def test_two_training_steps_of_the_tiny_model_on_cpu(staging, config_file):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     model = _manifest(staging, RUN + "/model")
     names = {f["path"] for f in model["files"]}
-    assert any(n.endswith("model.safetensors") for n in names), sorted(names)
+    assert "data/config.json" in names and any(n.endswith(".safetensors") for n in names), sorted(names)
     assert (staging / "store/runs/smoke/checkpoints/step-2/_manifest.json").is_file()
