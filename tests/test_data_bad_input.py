@@ -100,6 +100,14 @@ def test_deep_nesting_and_invalid_utf8_become_rejects_and_the_stage_commits(spar
     assert sorted(kept) == sorted(r["uuid"] for r in recs)
 
 
+def test_line_bytes_decode_to_text_and_invalid_utf8_to_its_reject():
+    from spark_jobs.readers import decode_line, parse_json_line
+
+    assert parse_json_line(decode_line(BAD_UTF8_LINE))["read_error"].startswith("invalid_utf8")
+    ok = parse_json_line(decode_line('{"uuid": "é", "messages": []}'.encode()))
+    assert ok["read_error"] is None and ok["uuid"] == "é"
+
+
 def test_a_requested_split_with_no_files_fails_naming_it_and_the_splits_present(spark, tmp_path):
     src = tmp_path / "raw"
     write_lines(src / "data" / "chat-00000-of-00001.jsonl", good_records(3))
