@@ -1,13 +1,15 @@
-"""Filter-stage benchmark: tokenize+pack throughput and packing efficiency; LSH near-duplicate scaling.
+"""Filter-stage benchmark: render(tokenize)+pack throughput and packing efficiency; LSH near-duplicate scaling.
 
     .venv/bin/python bench/filter_bench.py [--scale 100] [--seq-len 1024] [--lsh-rows 20000] [--master local[2]]
 
-1. tokenize+pack: the bundled sample's generator scaled up (`pipeline_core.sample_data.generate`,
-   300 x scale records), normalised with enrich's own normalisation (pure Python; no embeddings
-   needed for this part), the relevant context = the first 5 context sentences. Then the stage's
-   own `tokenize_partitions` and `pack_partitions` through Spark `mapInPandas` (real Mistral v1
-   tokenizer, loaded once per Python worker), each step written to Parquet like the stage does.
-   Reports documents/s and tokens/s of each step and the packing efficiency (non-pad share).
+1. render+pack: the bundled sample's generator scaled up (`pipeline_core.sample_data.generate`,
+   300 x scale records), the records enrich's own normalisation keeps (pure Python; no
+   embeddings needed for this part), with their `messages` as the filter gets them. Then the
+   stage's own `render_docs.render_partitions` (the whole conversation in the Mistral v1 chat
+   template via `ChatTokenizer.render`, the length limits of `packing.make_document`; tokenizer
+   loaded once per Python worker) and `packing.pack_partitions` through Spark `mapInPandas`, each
+   step written to Parquet like the stage does. Reports documents/s and tokens/s of each step
+   and the packing efficiency (non-pad share).
 2. near-duplicate scaling: `dedup.find_near_duplicates` (the stage's LSH) on N and 4N rows, timed
    end to end (signatures, buckets, candidate pairs, exact cosine). Rows are semi-synthetic: real
    all-MiniLM-L6-v2 embeddings of the sample's questions and answers are topic centres; each row
@@ -36,7 +38,8 @@ import numpy as np  # noqa: E402
 
 
 def sample_rows(scale: int) -> list[dict]:
-    """The generated sample x scale, normalised into the filter's input columns (no embeddings)."""
+    """The generated sample x scale as the filter's render input: the records enrich keeps, with
+    their messages, metadata and context units (no embeddings, so no context scores)."""
     from pipeline_core.config import EnrichSection
     from pipeline_core.sample_data import generate
     from spark_jobs.enrich import normalise_raw
@@ -46,51 +49,65 @@ def sample_rows(scale: int) -> list[dict]:
     rows = []
     for _split, recs in generate(rows=300 * scale, seed=7).items():
         for r in recs:
-            n = normalise_raw(r["uuid"], json.dumps(r["messages"]) if r["messages"] is not None else None, None, e)
+            messages_json = json.dumps(r["messages"], ensure_ascii=False) if r["messages"] is not None else None
+            n = normalise_raw(r["uuid"], messages_json, None, e)
             if n["reason"] is None:
-                rows.append({"id": r["uuid"], "split": split_of(r["uuid"], 1234, 0.05),
-                             "relevant": (n["context_sentences"] or [])[:5], "question": n["question"],
-                             "answer": n["answer"], "reasoning_trace": n["reasoning_trace"]})
+                rows.append({"id": r["uuid"], "category": r["category"], "split": split_of(r["uuid"], 1234, 0.05),
+                             "messages_json": messages_json, "metadata": r.get("metadata"),
+                             "reasoning": r.get("reasoning"), "context_sentences": n["context_sentences"],
+                             "context_turns": n["context_turns"]})
     return rows
 
 
-def bench_tokenize_pack(spark, rows: list[dict], seq_len: int, work: Path) -> dict:
+RENDER_INPUT_SCHEMA = (
+    "id string, category string, key long, split string, reason string, raw string, messages_json string, "
+    "metadata string, reasoning string, context_sentences array<string>, context_turns array<int>, "
+    "context_question_scores array<double>"
+)
+
+
+def bench_render_pack(spark, rows: list[dict], seq_len: int, work: Path) -> dict:
     from pyspark.sql import functions as F
 
     from pipeline_core.config import FilterSection
     from spark_jobs.chat_format import load_tokenizer
-    from spark_jobs.similarity_filter import DOC_SCHEMA, ROW_SCHEMA, pack_partitions, tokenize_partitions
+    from spark_jobs.packing import ROW_SCHEMA, pack_partitions
+    from spark_jobs.render_docs import DOC_SCHEMA, RENDER_COLUMNS, render_partitions
 
     fcfg = FilterSection(seq_len=seq_len, max_tokens=max(4096, seq_len), overflow="truncate")
     pad_id = load_tokenizer(fcfg.tokenizer).pad_id
     df = spark.createDataFrame(
-        [(r["id"], i, r["split"], r["relevant"], r["question"], r["answer"], r["reasoning_trace"], None, "{}")
-         for i, r in enumerate(rows)],
-        "id string, key long, split string, relevant array<string>, question string, answer string, "
-        "reasoning_trace string, reason string, raw string",
+        [(r["id"], r["category"], i, r["split"], None, None, r["messages_json"], r["metadata"], r["reasoning"],
+          r["context_sentences"], r["context_turns"], None) for i, r in enumerate(rows)],
+        RENDER_INPUT_SCHEMA,
     ).repartition(2).persist()
+    assert tuple(df.columns) == RENDER_COLUMNS, df.columns  # what the stage feeds render_partitions
     df.count()
     t0 = time.perf_counter()
-    df.mapInPandas(lambda it: tokenize_partitions(it, fcfg), DOC_SCHEMA).write.mode("overwrite").parquet(
+    df.mapInPandas(lambda it: render_partitions(it, fcfg), DOC_SCHEMA).write.mode("overwrite").parquet(
         f"file://{work}/docs")
     t_tok = time.perf_counter() - t0
-    docs = spark.read.parquet(f"file://{work}/docs").filter(F.col("reason").isNull())
+    all_docs = spark.read.parquet(f"file://{work}/docs")
+    rejected = {r["reason"]: r["count"] for r in all_docs.filter(F.col("reason").isNotNull()).groupBy("reason").count()
+                .collect()}
+    docs = all_docs.filter(F.col("reason").isNull())
     agg = docs.agg(F.count(F.lit(1)).alias("n"), F.sum(F.size("input_ids")).alias("t"),
                    F.sum(F.col("truncated").cast("int")).alias("tr")).first()
     n_docs, tokens = int(agg["n"]), int(agg["t"])
     t0 = time.perf_counter()
     (docs.select("key", "input_ids", "labels").repartition(2, "key").sortWithinPartitions("key")
-     .mapInPandas(lambda it: pack_partitions(it, seq_len, pad_id, 20_000), ROW_SCHEMA)
+     .mapInPandas(lambda it: pack_partitions(it, seq_len, pad_id, fcfg.pack_buffer_docs), ROW_SCHEMA)
      .write.mode("overwrite").parquet(f"file://{work}/rows"))
     t_pack = time.perf_counter() - t0
     n_rows = spark.read.parquet(f"file://{work}/rows").count()
     df.unpersist()
     return {
-        "records": len(rows), "documents": n_docs, "truncated": int(agg["tr"] or 0), "doc_tokens": tokens,
-        "seq_len": seq_len, "packed_rows": n_rows, "packing_efficiency": round(tokens / (n_rows * seq_len), 4),
-        "tokenize_s": round(t_tok, 2), "tokenize_tokens_per_s": round(tokens / t_tok),
-        "tokenize_docs_per_s": round(n_docs / t_tok), "pack_s": round(t_pack, 2),
-        "pack_tokens_per_s": round(tokens / t_pack), "tokenize_pack_tokens_per_s": round(tokens / (t_tok + t_pack)),
+        "records": len(rows), "documents": n_docs, "rejected": rejected, "truncated": int(agg["tr"] or 0),
+        "doc_tokens": tokens, "seq_len": seq_len, "packed_rows": n_rows,
+        "packing_efficiency": round(tokens / (n_rows * seq_len), 4),
+        "render_s": round(t_tok, 2), "render_tokens_per_s": round(tokens / t_tok),
+        "render_docs_per_s": round(n_docs / t_tok), "pack_s": round(t_pack, 2),
+        "pack_tokens_per_s": round(tokens / t_pack), "render_pack_tokens_per_s": round(tokens / (t_tok + t_pack)),
     }
 
 
@@ -194,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             rows = sample_rows(args.scale)
             out["generate_normalise_s"] = round(time.perf_counter() - t0, 2)
-            out["tokenize_pack"] = bench_tokenize_pack(spark, rows, args.seq_len, work)
-            print(json.dumps(out["tokenize_pack"]), flush=True)
+            out["render_pack"] = bench_render_pack(spark, rows, args.seq_len, work)
+            print(json.dumps(out["render_pack"]), flush=True)
         if args.skip != "lsh":
             from pipeline_core.config import EnrichSection
             from pipeline_core.sample_data import generate

@@ -156,7 +156,7 @@ def parse_json_line(line: str) -> dict[str, Any]:
     """One JSON Lines record -> the raw columns; never raises."""
     out: dict[str, Any] = dict.fromkeys(STRING_FIELDS)
     out.update(messages_json=None, raw=line, read_error=None)
-    if "\ufffd" in line:  # Spark's text reader replaces invalid UTF-8 bytes with U+FFFD
+    if "\ufffd" in line:  # `decode_line` replaced invalid UTF-8 bytes with U+FFFD
         out["read_error"] = "invalid_utf8: the line holds bytes that are not UTF-8 (or a U+FFFD replacement character)"
         return out
     try:
@@ -201,10 +201,18 @@ def _read_jsonl(spark: SparkSession, files: list[str]) -> DataFrame:
 
     @pandas_udf(RAW_SCHEMA)
     def parse(lines: pd.Series) -> pd.DataFrame:
-        return pd.DataFrame([parse_json_line(x) for x in lines], columns=[*STRING_FIELDS, "messages_json", "raw", "read_error"])
+        return pd.DataFrame([parse_json_line(decode_line(x)) for x in lines],
+                            columns=[*STRING_FIELDS, "messages_json", "raw", "read_error"])
 
     lines = spark.read.text(files).where(F.trim("value") != "")  # blank lines are not records
-    return lines.select(parse("value").alias("r")).select("r.*")
+    # Spark's text reader keeps a line's bytes as they are, invalid UTF-8 included, and Arrow refuses
+    # to turn such a string into Python: hand the UDF the bytes and decode them there.
+    return lines.select(parse(F.col("value").cast("binary")).alias("r")).select("r.*")
+
+
+def decode_line(line: bytes | bytearray) -> str:
+    """A line's bytes as text; invalid UTF-8 becomes U+FFFD, which `parse_json_line` rejects."""
+    return bytes(line).decode("utf-8", errors="replace")
 
 
 def read_records(spark: SparkSession, input_uri: str, splits: list[str], fmt: str = "auto",

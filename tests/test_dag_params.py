@@ -99,6 +99,8 @@ def test_valid_conf_maps_onto_the_config(dag, roots, tmp_path):
     ({"stages": []}, "stages"),
     ({"stages": ["enrich", "deploy"]}, "stages"),
     ({"splits": ["chat", "poetry"]}, "splits"),
+    ({"splits": ["multilingual_xx"]}, "splits"),      # not a v2 language
+    ({"splits": ["Multilingual_DE"]}, "splits"),      # split names are lower case
     ({"dataset_version": "../../etc"}, "dataset_version"),  # path traversal
     ({"run_id": "a/b"}, "run_id"),
     ({"source_uri": "/data/raw"}, "source_uri"),      # bare path: paths are URIs
@@ -107,6 +109,13 @@ def test_valid_conf_maps_onto_the_config(dag, roots, tmp_path):
 def test_invalid_conf_is_refused_by_the_schema(dag, conf, field):
     with pytest.raises(ParamValidationError, match=f"param {field}"):
         form(dag, conf)
+
+
+def test_v1_and_v2_split_names_are_accepted_by_the_form(dag, roots):
+    params = form(dag, {"splits": ["multilingual_de", "multilingual_ja", "chat", "tool_calling"]})
+    assert params["splits"] == ["multilingual_de", "multilingual_ja", "chat", "tool_calling"]
+    cfg = load_config(resolve(params, roots).config_file, env={})
+    assert cfg.enrich.splits == ["multilingual_de", "multilingual_ja", "chat", "tool"]  # the hub alias resolved
 
 
 @pytest.mark.parametrize("conf, message", [

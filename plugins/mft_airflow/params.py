@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline_core.config import NEMOTRON_SPLITS
+from pipeline_core.config import NEMOTRON_SPLITS, NEMOTRON_V2_SPLITS, SPLIT_ALIASES
 
 STAGES = ("enrich", "filter", "train")
 COMPONENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+# The split names the form offers (a multi-select): v1's, v2's and the hub's aliases, in that order.
+# A dataset with other split names sets them through config_overrides["enrich.splits"] (checked
+# against config.SPLIT_NAME there); a typo in the form is refused before the run starts.
+FORM_SPLITS: tuple[str, ...] = tuple(dict.fromkeys((*NEMOTRON_SPLITS, *NEMOTRON_V2_SPLITS, *SPLIT_ALIASES)))
 
 # param name -> config keys it sets (seq_len drives both the packer and the trainer)
 CONFIG_KEYS: dict[str, tuple[str, ...]] = {
@@ -78,8 +82,9 @@ def param_specs() -> dict[str, dict[str, Any]]:
         "base_model": _nullable("string", "'tiny', a Hugging Face model directory or hub id. Empty: config.",
                                 minLength=1, title="Base model"),
         "splits": _nullable(
-            "array", "Nemotron splits to process. Empty: config.",
-            items={"type": "string", "enum": list(NEMOTRON_SPLITS)}, minItems=1, uniqueItems=True, title="Splits",
+            "array", "Nemotron splits to process (v1 or v2 names; each must have files in the source). "
+            "Empty: config.",
+            items={"type": "string", "enum": list(FORM_SPLITS)}, minItems=1, uniqueItems=True, title="Splits",
         ),
         "relevance_threshold": _nullable("number", "Min sentence relevance kept as context.", minimum=-1, maximum=1),
         "min_qa_similarity": _nullable("number", "Drop pairs with question-answer cosine below this.",
