@@ -48,7 +48,8 @@ else
   STORE=${BENCH_STORE:-/tmp/mft-bench-store}
   STEPS=${STEPS:-4} WARMUP=${WARMUP:-2}
   BASE=(--model 7b --device cuda --seq-len 4096)
-  MB=2 M_PIPE=32 M_PEER=16
+  # same global batch in every row: MB x M_PIPE (1 data-parallel rank) = MB x M_PEER x 2 ranks
+  MB=${MB:-2} M_PIPE=${M_PIPE:-32} M_PEER=${M_PEER:-16}
   LIGER=(--hf-liger)
   KEEP_WINDOW=()
 fi

@@ -339,7 +339,10 @@ def setup_fsdp2(args, device: Device):
     tokens_per_step = args.micro_batch * args.grad_accum * args.seq_len * world
     settings = {"micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "liger": args.hf_liger,
                 "extra": {"param_dtype": "bf16", "reduce_dtype": "fp32", "master_weights": "fp32",
-                          "units": len(model.model.layers) + 1}}
+                          "units": len(model.model.layers) + 1,
+                          # this rank's shard (fp32): about 1/world of the model when sharding took effect
+                          "local_param_numel": sum(p.to_local().numel() for p in model.parameters()),
+                          "local_param_dtype": str(next(model.parameters()).dtype)}}
     return step, tokens_per_step, cfg, settings, None
 
 
@@ -595,7 +598,11 @@ def parse_args(argv=None):
     return args
 
 
-def init_distributed(device: Device) -> None:
+def init_distributed(device: Device, setup: str) -> None:
+    if setup == "fsdp2":  # a plain PyTorch job: no DeepSpeed in the process
+        torch.distributed.init_process_group(backend="nccl" if device.cuda else "gloo",
+                                             device_id=device.torch_device if device.cuda else None)
+        return
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if device.cuda else "gloo")
@@ -606,7 +613,7 @@ def run(args) -> dict | None:
     device = Device(args.device, local_rank)
     distributed = args.setup in ("trainer", "pipeline", "hf_zero2", "fsdp2")
     if distributed:
-        init_distributed(device)
+        init_distributed(device, args.setup)
     rank = torch.distributed.get_rank() if distributed else 0
     t_setup = time.perf_counter()
     builder = {"trainer": setup_trainer, "pipeline": setup_pipeline, "hf_single": setup_hf_single,
