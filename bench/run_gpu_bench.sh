@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (The 2026-11-30 harness of the levers. Issue 16's trainer-vs-ZeRO-2/FSDP2 run is bench/run_2gpu_bench.sh.)
 # One command for the whole GPU benchmark on a 2-GPU machine (H200 x2 measured):
 #   bash bench/run_gpu_bench.sh [phase ...]      phases: env checks baselines best repeat causal levers levers2 extra
 #   (default: all but env; about 25 minutes on 2 x H200)

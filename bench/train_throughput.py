@@ -11,7 +11,19 @@ One setup per process (the drivers ``bench/run_trainer_bench.sh`` (1 GPU) and
   hf_single  plain PyTorch on one GPU: HF MistralForCausalLM, fused AdamW, gradient accumulation;
              ``--master fp32`` keeps fp32 weights under bf16 autocast, ``--hf-liger`` adds Liger,
              ``--sliding-window none`` keeps SDPA on its flash kernel
-  hf_zero2   DeepSpeed ZeRO-2 over all ranks with the HF model (torchrun)
+  hf_zero2   DeepSpeed ZeRO-2 over all ranks with the HF model (torchrun); bf16 weights with
+             DeepSpeed's fp32 master partitions (its bf16 ZeRO optimizer keeps them), no recompute
+             with ``--act-ckpt 0``, Liger with ``--hf-liger``, window-free SDPA with
+             ``--sliding-window none``
+  fsdp2      PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard`` per decoder layer + root) with
+             the HF model: fp32 sharded master weights, MixedPrecisionPolicy(bf16 params, fp32
+             reduce), fused AdamW, same kernel flags as hf_zero2 (torchtitan's recipe)
+
+``--checkpoint`` (trainer): after the timed steps, one checkpoint save through the trainer's own
+``_save_checkpoint`` (the stall training sees: local save + barrier + queueing the upload), the
+upload drained, then ``Trainer.resume`` from the store and one step after it.
+Packed rows also get document-aware FLOPs (training/flops.py, Σ len_d² attention credit) next to
+the published convention's full-row credit.
 
 Weights are random and created on the device in bf16 (no download). Sequences are packed
 multi-document rows (position_ids restart per document; the pipeline's attention stays inside
@@ -26,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,10 +47,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.metrics import MISTRAL_7B, ModelShape, analytic_bubble, bubble_share, throughput_summary  # noqa: E402
+from bench.metrics import (  # noqa: E402
+    H100_H200_BF16_DENSE_FLOPS,
+    MISTRAL_7B,
+    ModelShape,
+    analytic_bubble,
+    bubble_share,
+    throughput_summary,
+)
 from bench.power import PowerMeter  # noqa: E402
+from training import flops  # noqa: E402
 
-SETUPS = ("trainer", "pipeline", "hf_single", "hf_zero2")
+SETUPS = ("trainer", "pipeline", "hf_single", "hf_zero2", "fsdp2")
 
 
 # ----------------------------------------------------------------------------- config / data
@@ -100,6 +121,19 @@ def make_micro_batches(*, n: int, micro_batch: int, seq_len: int, vocab: int, do
         batches.append({"input_ids": ids, "position_ids": pos, "labels": labels,
                         "targets": shift_targets(labels, pos)})
     return batches
+
+
+def packed_flops_per_token(shape: ModelShape, args, vocab: int, rows: int = 64) -> float:
+    """Document-aware FLOPs/token of the packed rows: the mean over rows drawn from the same
+    generator and seed as the benchmark's (every row holds ``seq_len`` tokens)."""
+    sample = make_micro_batches(n=rows, micro_batch=1, seq_len=args.seq_len, vocab=vocab, docs="packed",
+                                seed=args.seed)
+    per_row = []
+    for b in sample:
+        pos = b["position_ids"][0]
+        starts = (pos == 0).nonzero().flatten().tolist() + [pos.numel()]
+        per_row.append(flops.document_flops_per_token(shape, [e - s for s, e in zip(starts, starts[1:], strict=False)]))
+    return statistics.fmean(per_row)
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -176,7 +210,7 @@ class InstructionTimer:
 
 
 # ----------------------------------------------------------------------------- setups
-def build_hf_model(args, device: Device):
+def build_hf_model(args, device: Device, dtype: torch.dtype | None = None):
     from transformers import MistralForCausalLM
 
     cfg = mistral_config(args.model, args.seq_len, attn=args.hf_attention, sliding_window=args.sliding_window,
@@ -188,7 +222,7 @@ def build_hf_model(args, device: Device):
                                       cross_entropy=False)
     torch.manual_seed(args.seed)
     old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float32 if args.master == "fp32" else torch.bfloat16)
+    torch.set_default_dtype(dtype or (torch.float32 if args.master == "fp32" else torch.bfloat16))
     try:
         with device.torch_device:
             model = MistralForCausalLM(cfg)
@@ -265,7 +299,51 @@ def setup_hf_zero2(args, device: Device):
         return loss.detach()
 
     tokens_per_step = args.micro_batch * args.grad_accum * args.seq_len * world
-    return step, tokens_per_step, cfg, ds_config, None
+    master = type(engine.optimizer).__name__
+    return step, tokens_per_step, cfg, {**ds_config, "extra": {"optimizer": master, "master_weights": "fp32"}}, None
+
+
+def setup_fsdp2(args, device: Device):
+    """FSDP2 as torchtitan configures it: one FSDP unit per decoder layer plus the root, fp32
+    sharded parameters (the master copy), bf16 all-gathered parameters for compute, fp32
+    gradient reduce-scatter; gradients are reduced every micro-batch (FSDP2's default)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh(device.kind, (world,))
+    model, cfg = build_hf_model(args, device, dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    opt = adamw(model.parameters(), device)
+    rank = torch.distributed.get_rank()
+    batches = make_micro_batches(n=4, micro_batch=args.micro_batch, seq_len=args.seq_len, vocab=cfg.vocab_size,
+                                 docs=args.docs, seed=args.seed + rank)
+    batches = [{k: v.to(device.torch_device) for k, v in b.items()} for b in batches]
+    state = {"i": 0}
+
+    def step():
+        for _ in range(args.grad_accum):
+            b = batches[state["i"] % len(batches)]
+            state["i"] += 1
+            kwargs = {"position_ids": b["position_ids"]} if args.hf_position_ids else {}
+            loss = model(input_ids=b["input_ids"], labels=b["labels"], **kwargs).loss
+            (loss / args.grad_accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach().float()
+
+    tokens_per_step = args.micro_batch * args.grad_accum * args.seq_len * world
+    settings = {"micro_batch": args.micro_batch, "grad_accum": args.grad_accum, "liger": args.hf_liger,
+                "extra": {"param_dtype": "bf16", "reduce_dtype": "fp32", "master_weights": "fp32",
+                          "units": len(model.model.layers) + 1,
+                          # this rank's shard (fp32): about 1/world of the model when sharding took effect
+                          "local_param_numel": sum(p.to_local().numel() for p in model.parameters()),
+                          "local_param_dtype": str(next(model.parameters()).dtype)}}
+    return step, tokens_per_step, cfg, settings, None
 
 
 class RepeatingBatches:
@@ -410,24 +488,56 @@ def setup_trainer(args, device: Device):
     input_uri = write_train_ready(work, seq_len=args.seq_len, rows=rows, vocab=base.vocab_size, docs=args.docs,
                                   seed=args.seed)  # committed by rank 0: returns its URI
     cfg = load_config(overrides={
-        "pipeline.store_uri": uris.qualify(work / "store"), "pipeline.staging_uri": uris.qualify(work / "staging"),
+        "pipeline.store_uri": uris.qualify(args.store or work / "store"), "pipeline.staging_uri": uris.qualify(work / "staging"),
         "train.base_model": str(model_dir), "train.pipeline_stages": args.stages, "train.seq_len": args.seq_len,
         "train.micro_batch_size": args.micro_batch, "train.gradient_accumulation_steps": args.grad_accum,
         "train.steps": args.warmup + args.steps, "train.attention_backend": args.attention,
         "train.fast_kernels": args.kernels, "train.grad_accum_dtype": args.grad_accum_dtype,
         "train.activation_checkpoint_interval": args.act_ckpt, "train.precision": "bf16" if device.cuda else "fp32",
-        "train.learning_rate": 1e-5,
+        "train.learning_rate": 1e-5, "train.checkpoint_every": args.checkpoint_every,
     })
     plan = train.make_plan(cfg, input_uri, uris.join(cfg.pipeline.store_uri, "runs", "bench-run"),
                            world, device.cuda)
     trainer = train.Trainer(plan)
     trainer.setup(train.RunState(t0=time.time()))
+    if args.checkpoint:
+        trainer.resume(train.RunState(t0=time.time()))  # a fresh run: sets up metrics + uploader as fit needs
     engine = trainer.engine
     batches = trainer._train_batches(0)
     timer = InstructionTimer(engine, device)
 
     def step():
         return engine.train_batch(data_iter=batches.next_step())
+
+    def checkpoint_probe(step_s: float) -> dict:
+        """One save as fit() does it, timed as the stall training sees; then resume from the store."""
+        done = args.warmup + args.steps
+        torch.distributed.barrier()
+        device.sync()
+        t0 = time.perf_counter()
+        trainer._save_checkpoint(done, done * args.grad_accum)
+        device.sync()
+        stall = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if trainer.uploader is not None:
+            trainer.uploader.close()  # the push runs in the background; wait so resume finds it
+        torch.distributed.barrier()
+        upload = time.perf_counter() - t1
+        t2 = time.perf_counter()
+        state = train.RunState(t0=time.time())
+        trainer.resume(state)
+        resume_s = time.perf_counter() - t2
+        device.sync()
+        t3 = time.perf_counter()
+        loss = engine.train_batch(data_iter=trainer._train_batches(state.position).next_step())
+        device.sync()
+        every = args.checkpoint_every
+        return {"save_stall_s": stall, "upload_drain_s": upload, "resume_s": resume_s,
+                "resumed_step": state.start_step, "step_after_resume_s": time.perf_counter() - t3,
+                "loss_after_resume": float(loss) if loss is not None else None,
+                "checkpoint_every": every, "stall_share_at_every": stall / (stall + every * step_s)}
+
+    step.checkpoint_probe = checkpoint_probe
 
     tokens_per_step = args.micro_batch * args.grad_accum * args.seq_len * dp
     extra = {
@@ -466,20 +576,33 @@ def parse_args(argv=None):
     p.add_argument("--hf-position-ids", action="store_true", help="HF baselines: pass packed position_ids")
     p.add_argument("--sliding-window", choices=("default", "none"), default="default",
                    help="HF baselines: Mistral-7B-v0.1's 4096 window (default) or none")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="trainer: after the timed steps, one checkpoint save (stall timed) and one resume")
+    p.add_argument("--checkpoint-every", type=int, default=200,
+                   help="trainer: train.checkpoint_every the save stall is reported against (issue 16: 200)")
+    p.add_argument("--store", default=None,
+                   help="trainer: store URI for the run and its checkpoints (default: <work>/store); put it on "
+                        "another disk than --work when a full checkpoint does not fit twice")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    for name in ("seq_len", "micro_batch", "grad_accum", "stages", "steps"):
+    for name in ("seq_len", "micro_batch", "grad_accum", "stages", "steps", "checkpoint_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.checkpoint and args.setup != "trainer":
+        p.error("--checkpoint needs --setup trainer (the save/resume measured is the trainer's own)")
     if args.model == "7b" and args.device == "cpu":
         p.error("--model 7b needs --device cuda (use --model tiny for a CPU dry run)")
     return args
 
 
-def init_distributed(device: Device) -> None:
+def init_distributed(device: Device, setup: str) -> None:
+    if setup == "fsdp2":  # a plain PyTorch job: no DeepSpeed in the process
+        torch.distributed.init_process_group(backend="nccl" if device.cuda else "gloo",
+                                             device_id=device.torch_device if device.cuda else None)
+        return
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="nccl" if device.cuda else "gloo")
@@ -488,13 +611,13 @@ def init_distributed(device: Device) -> None:
 def run(args) -> dict | None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = Device(args.device, local_rank)
-    distributed = args.setup in ("trainer", "pipeline", "hf_zero2")
+    distributed = args.setup in ("trainer", "pipeline", "hf_zero2", "fsdp2")
     if distributed:
-        init_distributed(device)
+        init_distributed(device, args.setup)
     rank = torch.distributed.get_rank() if distributed else 0
     t_setup = time.perf_counter()
     builder = {"trainer": setup_trainer, "pipeline": setup_pipeline, "hf_single": setup_hf_single,
-               "hf_zero2": setup_hf_zero2}[args.setup]
+               "hf_zero2": setup_hf_zero2, "fsdp2": setup_fsdp2}[args.setup]
     step, tokens_per_step, cfg, settings, timer = builder(args, device)
     setup_s = time.perf_counter() - t_setup
 
@@ -522,6 +645,10 @@ def run(args) -> dict | None:
             print(f"[{args.label or args.setup}] step {i} {'timed' if timed else 'warmup'} {dt:.3f}s loss {losses[-1]:.4f}",
                   flush=True)
     energy = meter.stop() if meter else {"energy_j": None}
+    if timer:
+        timer.active = False
+    probe = getattr(step, "checkpoint_probe", None) if args.checkpoint else None
+    checkpoint = probe(statistics.median(times)) if probe else None
     local = {"rank": rank, "times": times, **device.peak_gib(), "power": energy, "losses": losses}
     if timer:
         gpu = timer.gpu_seconds()
@@ -571,6 +698,12 @@ def run(args) -> dict | None:
         "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name() if device.cuda else "cpu",
     }
+    if args.docs == "packed":
+        fpt = packed_flops_per_token(shape, args, cfg.vocab_size)
+        result["doc_flops_per_token"] = fpt
+        result["doc_mfu"] = flops.mfu(result["tokens_per_s_per_gpu"], fpt, H100_H200_BF16_DENSE_FLOPS)
+    if checkpoint:
+        result["checkpoint"] = checkpoint
     if timer:
         result["bubble_share"] = [r["bubble_share"] for r in ranks]
         result["data_stall_share"] = [r["data_stall_share"] for r in ranks]

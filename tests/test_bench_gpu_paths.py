@@ -383,3 +383,77 @@ def test_benchmark_dry_run_pipeline_two_stages(tmp_path):
     assert r["tokens_per_step"] == 4 * 128
     for stage in r["instr_gpu_s"]:
         assert stage["ForwardPass"] > 0 and stage["BackwardPass"] > 0
+
+
+def test_benchmark_dry_run_fsdp2_two_ranks(tmp_path):
+    """FSDP2 (issue 16's peer) on 2 CPU ranks (gloo): every rank holds only its fp32 shard, the
+    step trains, and packed rows get document-aware FLOPs below the full-row credit."""
+    out = tmp_path / "fsdp2.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "bench/train_throughput.py", "--setup", "fsdp2", "--model", "tiny", "--device", "cpu",
+           "--seq-len", "128", "--micro-batch", "1", "--grad-accum", "2", "--docs", "packed",
+           "--sliding-window", "none", "--hf-position-ids", "--warmup", "1", "--steps", "2", "--out", str(out)]
+    subprocess.run(cmd, cwd=REPO, env=bench_env(), check=True, timeout=300, capture_output=True)
+    r = json.loads(out.read_text())
+    extra = r["settings"]["extra"]
+    assert r["num_gpus"] == 2 and r["tokens_per_step"] == 2 * 2 * 128
+    assert extra["param_dtype"] == "bf16" and extra["reduce_dtype"] == "fp32"
+    assert extra["local_param_dtype"] == "torch.float32"  # the sharded master copy
+    assert 0.45 * r["model_params"] <= extra["local_param_numel"] <= 0.55 * r["model_params"]
+    assert all(math.isfinite(x) for x in r["losses"])
+    assert 0 < r["doc_mfu"] < r["mfu"]
+
+
+def test_packed_flops_follow_the_rows_documents():
+    from bench.train_throughput import make_micro_batches, packed_flops_per_token
+
+    args = types.SimpleNamespace(seq_len=256, seed=7)
+    got = packed_flops_per_token(MISTRAL_7B, args, vocab=1000, rows=8)
+    rows = make_micro_batches(n=8, micro_batch=1, seq_len=256, vocab=1000, docs="packed", seed=7)
+    want = []
+    for b in rows:
+        pos = b["position_ids"][0].tolist()
+        lengths, n = [], 0
+        for i, p in enumerate(pos):
+            if p == 0 and i:
+                lengths.append(n)
+                n = 0
+            n += 1
+        want.append(flops.document_flops_per_token(MISTRAL_7B, [*lengths, n]))
+    assert got == pytest.approx(sum(want) / len(want))
+    assert 6 * MISTRAL_7B.non_embedding_parameters() < got < flops_per_token(MISTRAL_7B, 256)
+
+
+def test_report_ratio_against_the_best_strong_peer_and_checkpoint_stall():
+    def row(label, setup, tps, docs, **extra):
+        args = {"stages": 2, "micro_batch": 2, "grad_accum": 32, "attention": "auto", "kernels": "auto",
+                "act_ckpt": 0, "docs": docs, "hf_attention": "sdpa", "sliding_window": "none",
+                "grad_accum_dtype": "fp32", "hf_liger": True}
+        return {"label": label, "setup": setup, "tokens_per_s_per_gpu": tps, "mfu": tps / 20_000, "args": args,
+                **extra}
+
+    rows = [
+        row("trainer_causal", "trainer", 13_000, "causal",
+            checkpoint={"save_stall_s": 40.0, "stall_share_at_every": 0.019, "checkpoint_every": 200}),
+        row("zero2_causal", "hf_zero2", 10_000, "causal"),
+        row("fsdp2_causal", "fsdp2", 10_400, "causal"),
+        row("legacy_zero2_window_ckpt", "hf_zero2", 12_000, "causal"),  # never the peer to beat
+        row("trainer_packed", "trainer", 14_000, "packed", doc_mfu=0.5),
+        row("fsdp2_packed", "fsdp2", 7_000, "packed"),
+    ]
+    lines = report.table(rows).splitlines()
+
+    def cells(label):
+        return [c.strip() for c in next(x for x in lines if x.startswith(f"| {label} |")).split("|")]
+
+    assert cells("trainer_causal")[13] == "1.25"  # 13,000 / FSDP2's 10,400, not the legacy 12,000
+    assert cells("trainer_causal")[14] == "40.0 s (1.90% at 200)"
+    assert cells("trainer_packed")[13] == "2.00" and cells("trainer_packed")[12] == "50.0%"
+    assert "fp32 accum" in cells("trainer_causal")[2] and "liger" in cells("fsdp2_causal")[2]
+
+
+def test_benchmark_refuses_a_checkpoint_outside_the_trainer():
+    cmd = [sys.executable, "bench/train_throughput.py", "--setup", "fsdp2", "--model", "tiny", "--device", "cpu",
+           "--checkpoint"]
+    proc = subprocess.run(cmd, cwd=REPO, env=bench_env(), timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 2 and "--checkpoint needs --setup trainer" in proc.stderr
