@@ -23,7 +23,7 @@ from tests.dag_helpers import DAG_ID, REPO, airflow, airflow_env, init_db
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # whole pipeline runs on 2 shared cores
 
-TINY = {"seq_len": 64, "steps": 2, "learning_rate": 1e-3}
+TINY = {"seq_len": 512, "steps": 2, "learning_rate": 1e-3}  # whole conversations of the sample fit in 512
 TINY_OVERRIDES = {
     "train.micro_batch_size": 1, "train.gradient_accumulation_steps": 1, "train.checkpoint_every": 1,
     "train.keep_last": 1, "train.precision": "fp32", "train.eval_batches": 1, "train.warmup_steps": 1,
