@@ -337,7 +337,14 @@ class HFChatTokenizer(ChatTokenizer):
         self._generation_marks = "{% generation %}" in self._template or "{%- generation %}" in self._template
         self._version = transformers.__version__
         if self._template:  # a template that cannot be split into prompt + answer fails at load, not in an executor
-            self.encode("What is 2+2?", "4.")
+            from spark_jobs.conversation import ConversationOptions, build_conversation
+
+            probe = build_conversation([{"role": "user", "content": "What is 2+2?"},
+                                        {"role": "assistant", "content": "4."}], None, None, ConversationOptions())
+            try:
+                self.render(probe)
+            except RenderError as e:
+                raise ValueError(str(e)) from None
 
     def _ids(self, messages: list[dict[str, Any]], tools, add_generation_prompt: bool, mask: bool = False):
         out = self._tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,

@@ -159,10 +159,14 @@ def test_prompt_encoding_survives_a_changed_mistral_common_fast_path(monkeypatch
     try:
         tok = load_tokenizer("mistral-v1")
         inst = tok._inst
+        from spark_jobs.conversation import ConversationOptions, build_conversation
+
         for prompt, answer in [("What is 2+2?", "4."), ("Context: ü 漢字.\n\nWhich?", "That one.")]:
-            p, c = tok.encode(prompt, answer)
+            conv = build_conversation([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
+                                      None, None, ConversationOptions())
+            got = list(tok.render(conv).input_ids)
             want = inst.encode_instruct(InstructRequest(messages=[UserMessage(content=prompt),
                                                                   AssistantMessage(content=answer)])).tokens
-            assert p + c == list(want), "prompt encoding differs from mistral-common's own"
+            assert got == list(want), "prompt encoding differs from mistral-common's own"
     finally:
         load_tokenizer.cache_clear()
