@@ -59,8 +59,9 @@ def sample_run(spark, tmp_path_factory):
     root = uris.to_local_path(out)
     return {
         "cfg": cfg, "tmp": tmp, "out": out, "manifest": manifest,
-        "data": ds.dataset(root / "data", format="parquet").to_table(),
-        "rejects": ds.dataset(root / "rejects", format="parquet").to_table(),
+        # payload under the prefix the manifest names (one writer per artifact)
+        "data": ds.dataset(root / manifest.object_path("data"), format="parquet").to_table(),
+        "rejects": ds.dataset(root / manifest.object_path("rejects"), format="parquet").to_table(),
         "records": [r for rs in sample_data.generate(300, 0).values() for r in rs],
     }
 
