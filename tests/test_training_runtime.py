@@ -108,10 +108,10 @@ def test_max_bad_steps_in_a_row_stop_the_run_with_a_clear_error():
 
 # ----------------------------------------------------------------------------- tokenizer vs model
 def _ready(tmp_path, store, spec: TokenizerSpec) -> str:
-    docs, plens = tokenized_corpus(12)
+    docs = tokenized_corpus(12, 64)
     local = tmp_path / f"ready-{spec.name}"
-    write_rows(local / "data" / "train" / "part-00000.parquet", pack_documents(docs[:10], plens[:10], 64))
-    write_rows(local / "data" / "val" / "part-00000.parquet", pack_documents(docs[10:], plens[10:], 64))
+    write_rows(local / "data" / "train" / "part-00000.parquet", pack_documents(docs[:10], 64, 0))
+    write_rows(local / "data" / "val" / "part-00000.parquet", pack_documents(docs[10:], 64, 0))
     uri = uris.join(store, "datasets", "t", "train", spec.name)
     publish_artifact(local, uri, kind="train-ready", counts={"in": 12, "out": 12},
                      extra=TrainReadyInfo(seq_len=64, tokenizer=spec).to_extra())
