@@ -105,7 +105,10 @@ def test_same_size_corrupt_weights_never_move_latest(models, store_root, tmp_pat
     models_uri = uris.join(root, "models")
     val = _val_artifact(tmp_path, root, storage)
     uri = _model_artifact(models["good"], root, "r-corrupt", storage)
-    key = "runs/r-corrupt/model/data/model.safetensors"
+    from pipeline_core.artifacts import read_manifest
+
+    # the file under the payload prefix its manifest names (one writer per artifact)
+    key = "runs/r-corrupt/model/" + read_manifest(uri, storage).object_path("data/model.safetensors")
     if root.startswith("file://"):
         path = uris.to_local_path(uris.join(root, key))
         data = bytearray(path.read_bytes())
