@@ -30,7 +30,8 @@ def spark():
 
 def _cfg(tmp: Path):
     return load_config(env={}, overrides={"pipeline.staging_uri": uris.qualify(tmp / "staging"),
-                                          "enrich": {"spark_master": "local[2]", "shuffle_partitions": 2}})
+                                          "enrich": {"spark_master": "local[2]", "shuffle_partitions": 2,
+                                                     "splits": ["chat"]}})  # the one split these inputs have
 
 
 def _out(tmp: Path) -> str:
