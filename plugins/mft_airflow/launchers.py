@@ -155,7 +155,8 @@ class LocalTrainProcess:
         )
         tail: list[str] = []
         errors: list[str] = []  # torchrun's own summary hides the ranks' exceptions: keep them
-        assert self._proc.stdout is not None
+        if self._proc.stdout is None:  # Popen was asked for a pipe: never, but never silently
+            raise RuntimeError("training launcher: the agent's stdout pipe is missing")
         for line in self._proc.stdout:
             line = line.rstrip()
             self.log.info("%s", line)
