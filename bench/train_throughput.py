@@ -238,20 +238,25 @@ def adamw(params, device: Device, lr: float = 1e-5):
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=device.cuda or None)
 
 
+def cycled_batches(args, device: Device, vocab: int, seed: int):
+    """Four micro-batches of the run's row kind on the device, repeated forever (the baselines' loader)."""
+    import itertools
+
+    batches = make_micro_batches(n=4, micro_batch=args.micro_batch, seq_len=args.seq_len, vocab=vocab,
+                                 docs=args.docs, seed=seed)
+    return itertools.cycle([{k: v.to(device.torch_device) for k, v in b.items()} for b in batches])
+
+
 def setup_hf_single(args, device: Device):
     model, cfg = build_hf_model(args, device)
     opt = adamw(model.parameters(), device)
-    batches = make_micro_batches(n=4, micro_batch=args.micro_batch, seq_len=args.seq_len, vocab=cfg.vocab_size,
-                                 docs=args.docs, seed=args.seed)
-    batches = [{k: v.to(device.torch_device) for k, v in b.items()} for b in batches]
-    state = {"i": 0}
+    batches = cycled_batches(args, device, cfg.vocab_size, seed=args.seed)
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.master == "fp32" and device.cuda)
 
     def step():
         for _ in range(args.grad_accum):
-            b = batches[state["i"] % len(batches)]
-            state["i"] += 1
+            b = next(batches)
             kwargs = {"position_ids": b["position_ids"]} if args.hf_position_ids else {}
             with autocast:
                 loss = model(input_ids=b["input_ids"], labels=b["labels"], **kwargs).loss
@@ -283,15 +288,11 @@ def setup_hf_zero2(args, device: Device):
     opt = adamw(model.parameters(), device)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
     rank = torch.distributed.get_rank()
-    batches = make_micro_batches(n=4, micro_batch=args.micro_batch, seq_len=args.seq_len, vocab=cfg.vocab_size,
-                                 docs=args.docs, seed=args.seed + rank)
-    batches = [{k: v.to(device.torch_device) for k, v in b.items()} for b in batches]
-    state = {"i": 0}
+    batches = cycled_batches(args, device, cfg.vocab_size, seed=args.seed + rank)
 
     def step():
         for _ in range(args.grad_accum):
-            b = batches[state["i"] % len(batches)]
-            state["i"] += 1
+            b = next(batches)
             kwargs = {"position_ids": b["position_ids"]} if args.hf_position_ids else {}
             loss = engine(input_ids=b["input_ids"], labels=b["labels"], **kwargs).loss
             engine.backward(loss)
@@ -319,15 +320,11 @@ def setup_fsdp2(args, device: Device):
     fully_shard(model, mesh=mesh, mp_policy=policy)
     opt = adamw(model.parameters(), device)
     rank = torch.distributed.get_rank()
-    batches = make_micro_batches(n=4, micro_batch=args.micro_batch, seq_len=args.seq_len, vocab=cfg.vocab_size,
-                                 docs=args.docs, seed=args.seed + rank)
-    batches = [{k: v.to(device.torch_device) for k, v in b.items()} for b in batches]
-    state = {"i": 0}
+    batches = cycled_batches(args, device, cfg.vocab_size, seed=args.seed + rank)
 
     def step():
         for _ in range(args.grad_accum):
-            b = batches[state["i"] % len(batches)]
-            state["i"] += 1
+            b = next(batches)
             kwargs = {"position_ids": b["position_ids"]} if args.hf_position_ids else {}
             loss = model(input_ids=b["input_ids"], labels=b["labels"], **kwargs).loss
             (loss / args.grad_accum).backward()
