@@ -95,6 +95,8 @@ def assign_batches(batches: Iterator[pd.DataFrame], centroids: np.ndarray, key: 
         top_sims = np.take_along_axis(sims, top, axis=1)
         keep = top_sims >= top_sims[:, :1] - margin
         rows, ranks = np.nonzero(keep)
+        if len(rows) == 0:  # an empty list-of-arrays column has no Arrow type: yield nothing instead
+            continue
         yield pd.DataFrame({"_cluster": top[rows, ranks].astype(np.int32), "_key": pdf[key].to_numpy()[rows],
                             "_id": pdf["id"].to_numpy()[rows], "_vec": list(m[rows])})
 
