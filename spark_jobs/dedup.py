@@ -109,24 +109,27 @@ def find_near_duplicates(
     max_leaders: int,
     seed: int,
     min_band_matches: int = 1,
+    group: str | None = None,
 ) -> DataFrame:
     """(key, `_near_rep` id of the smallest-key near duplicate, `_near_sim`) for every record that has one.
-    `vec` holds the concatenated unit-norm question and answer embeddings."""
+    `vec` holds the concatenated unit-norm question and answer embeddings; with `group`, only rows of
+    the same group value can be near duplicates (a bucket is (band, code, group))."""
     sig = _signature_udf(bands, rows_per_band, seed)
-    buckets = df.select(F.col(key), F.posexplode(sig(F.col(vec))).alias("_band", "_code"))
-    w = Window.partitionBy("_band", "_code")
+    grp = F.col(group) if group else F.lit(0).cast("long")
+    buckets = df.select(F.col(key), grp.alias("_group"), F.posexplode(sig(F.col(vec))).alias("_band", "_code"))
+    w = Window.partitionBy("_band", "_code", "_group")
     buckets = (
         buckets.withColumn("_n", F.count(F.lit(1)).over(w))
         .filter(F.col("_n") > 1)
         .withColumn("_rank", F.row_number().over(w.orderBy(key)))
     )
     leaders = buckets.filter(F.col("_rank") <= max_leaders).select(
-        "_band", "_code", F.col(key).alias("_lkey"), F.col("_rank").alias("_lrank")
+        "_band", "_code", "_group", F.col(key).alias("_lkey"), F.col("_rank").alias("_lrank")
     )
     # Candidate = shares at least `min_band_matches` buckets: only (key, key) pairs travel here; the
     # vectors are joined to the (far fewer) candidates that pass.
     pairs = (
-        buckets.join(leaders, ["_band", "_code"])
+        buckets.join(leaders, ["_band", "_code", "_group"])
         .filter((F.col("_lrank") < F.col("_rank")) & (F.col("_lkey") != F.col(key)))  # equal keys: same record twice
         .groupBy("_lkey", key)
         .agg(F.count(F.lit(1)).alias("_matches"))
@@ -191,10 +194,14 @@ class NearDuplicates:
     report: NearDupReport
 
 
-def near_duplicates(df: DataFrame, *, key: str, vec: str, settings: NearDupSettings, rows: int | None = None) -> NearDuplicates:
+def near_duplicates(df: DataFrame, *, key: str, vec: str, settings: NearDupSettings, rows: int | None = None,
+                    group: str | None = None) -> NearDuplicates:
     """Near duplicates of `df` (key, id, vec = concatenated unit question and answer vectors) by the
-    configured method, with the recall measured on a sample of these rows. `df` is read several
-    times: persist it first."""
+    configured method, with the recall measured on a sample of these rows. With `group` (a long
+    column), two rows can be near duplicates only when their group values are equal: the filter
+    passes a hash of the conversation's context, so a multi-turn or contextual conversation is never
+    dropped as a copy of a single-turn one that ends in the same question and answer. `df` is read
+    several times: persist it first."""
     from spark_jobs.dedup_recall import measure_recall
     from spark_jobs.near_dup_clusters import find_near_duplicates_clustered
 
@@ -203,7 +210,8 @@ def near_duplicates(df: DataFrame, *, key: str, vec: str, settings: NearDupSetti
     extra: dict = {}
     if settings.method == "cluster":
         c = settings.cluster
-        frame, clustering, sizes = find_near_duplicates_clustered(df, key=key, vec=vec, threshold=t, rows=rows, s=c)
+        frame, clustering, sizes = find_near_duplicates_clustered(df, key=key, vec=vec, threshold=t, rows=rows, s=c,
+                                                                  group=group)
         frame = frame.persist()
         size_stats = sizes.agg(F.count(F.lit(1)).alias("k"), F.max("count").alias("mx"), F.avg("count").alias("avg")).first()
         extra = {"clusters": int(size_stats["k"] or 0), "largest_cluster": int(size_stats["mx"] or 0),
@@ -213,7 +221,8 @@ def near_duplicates(df: DataFrame, *, key: str, vec: str, settings: NearDupSetti
     else:
         s = settings.lsh
         frame = find_near_duplicates(df, key=key, vec=vec, threshold=t, bands=s.bands, rows_per_band=s.rows_per_band,
-                                     max_leaders=s.max_leaders, seed=s.seed, min_band_matches=s.min_band_matches).persist()
+                                     max_leaders=s.max_leaders, seed=s.seed, min_band_matches=s.min_band_matches,
+                                     group=group).persist()
         params = dict(s.__dict__)
         expected = round(lsh_candidate_probability(t, s.bands, s.rows_per_band, s.min_band_matches), 4)
         warnings = lsh_warnings(rows, s)
@@ -222,7 +231,7 @@ def near_duplicates(df: DataFrame, *, key: str, vec: str, settings: NearDupSetti
     measured = None
     if settings.recall_sample > 0 and rows > 1:
         measured = measure_recall(df, frame, key=key, vec=vec, threshold=t, rows=rows, sample=settings.recall_sample,
-                                  seed=settings.recall_seed)
+                                  seed=settings.recall_seed, group=group)
         if measured.recall is not None:
             log.info("near duplicates (%s): measured recall %.4f [%.4f, %.4f] on %d sampled rows with a duplicate",
                      settings.method, measured.recall, measured.low_95, measured.high_95, measured.with_duplicate)

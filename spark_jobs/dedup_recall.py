@@ -31,30 +31,34 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def _truth_batches(batches: Iterator[pd.DataFrame], sample_keys: np.ndarray, sample_vecs: np.ndarray,
-                   key: str, vec: str, threshold: float) -> Iterator[pd.DataFrame]:
+                   sample_groups: np.ndarray, key: str, vec: str, threshold: float) -> Iterator[pd.DataFrame]:
     for pdf in batches:
         if len(pdf) == 0:
             continue
         m = np.stack(pdf[vec].to_numpy()).astype(np.float64)
         sims = (m @ sample_vecs.T) / 2.0
         smaller = pdf[key].to_numpy()[:, None] < sample_keys[None, :]
-        hit = ((sims >= threshold) & smaller).any(axis=0)
+        same = pdf["_group"].to_numpy()[:, None] == sample_groups[None, :]
+        hit = ((sims >= threshold) & smaller & same).any(axis=0)
         yield pd.DataFrame({"_sample_key": sample_keys[hit]})
 
 
-def measure_recall(df, found, *, key: str, vec: str, threshold: float, rows: int, sample: int, seed: int) -> RecallEstimate:
-    """`found`: the method's output (one row per dropped key, column `key`)."""
+def measure_recall(df, found, *, key: str, vec: str, threshold: float, rows: int, sample: int, seed: int,
+                   group: str | None = None) -> RecallEstimate:
+    """`found`: the method's output (one row per dropped key, column `key`); `group` as in
+    dedup.near_duplicates (a duplicate must share the sampled row's group)."""
     from pyspark.sql import functions as F
 
+    df = df.select(key, vec, (F.col(group).cast("long") if group else F.lit(0).cast("long")).alias("_group"))
     cut = max(1, math.ceil(_SAMPLE_BUCKETS * min(sample, rows) / max(rows, 1)))
-    pick = (df.select(key, vec).where(F.pmod(F.xxhash64(F.col(key), F.lit(seed)), F.lit(_SAMPLE_BUCKETS)) < cut)
+    pick = (df.where(F.pmod(F.xxhash64(F.col(key), F.lit(seed)), F.lit(_SAMPLE_BUCKETS)) < cut)
             .toPandas().sort_values(key))
     if len(pick) == 0:
         return RecallEstimate(0, 0, 0, None, None, None)
     keys = pick[key].to_numpy().astype(np.int64)
     vecs = np.stack(pick[vec].to_numpy()).astype(np.float64)
-    truth = (df.select(key, vec)
-             .mapInPandas(lambda it: _truth_batches(it, keys, vecs, key, vec, threshold), "_sample_key long")
+    groups = pick["_group"].to_numpy().astype(np.int64)
+    truth = (df.mapInPandas(lambda it: _truth_batches(it, keys, vecs, groups, key, vec, threshold), "_sample_key long")
              .distinct().toPandas()["_sample_key"].to_numpy())
     truth_set = set(int(k) for k in truth)
     dropped = {int(r[0]) for r in found.select(key).where(F.col(key).isin([int(k) for k in keys])).collect()}

@@ -80,6 +80,22 @@ def located(df: DataFrame) -> DataFrame:
             .withColumn("_row", F.col("_metadata.row_index")))
 
 
+def context_key(df: DataFrame) -> Column:
+    """A long hash of everything in a record's prompt except its final question, as enrich split it:
+    the context sentences (system prompt, earlier turns, context inside the last user turn,
+    normalised) and the tool schemas. Near duplicates are searched only among records with equal
+    context keys, so "same last question and answer" does not make a multi-turn, contextual or
+    tool conversation a copy of a single-turn one (each is a different training example)."""
+    from pyspark.sql import functions as F
+
+    from spark_jobs.dedup import normalised_text
+
+    sentences = (F.concat_ws("\u0001", F.transform(F.col("context_sentences"), normalised_text))
+                 if "context_sentences" in df.columns else F.lit(""))
+    tools = F.coalesce(F.get_json_object(_opt(df, "metadata"), "$.tools"), F.lit(""))
+    return F.xxhash64(F.coalesce(sentences, F.lit("")), tools)
+
+
 def keyed(df: DataFrame, fcfg: FilterSection) -> DataFrame:
     """`located` rows + `_prompt_key`, `_text_hash`, `_key`, `_check` (first failed row check's reason
     or null) and `_check_detail`."""
@@ -91,7 +107,8 @@ def keyed(df: DataFrame, fcfg: FilterSection) -> DataFrame:
           .withColumn("_prompt_key", F.col("_k.prompt_key"))
           .withColumn("_text_hash", F.col("_k.text_hash"))
           .withColumn("_key", F.xxhash64(F.coalesce(F.col("id"), F.lit("")), F.coalesce("_text_hash", F.lit("")),
-                                         "_file", "_row")))
+                                         "_file", "_row"))
+          .withColumn("_context_key", context_key(df)))
     blank = lambda c: F.col(c).isNull() | (F.length(F.trim(F.col(c))) == 0)  # noqa: E731
     emb_bad = lambda c: F.col(c).isNull() | (F.size(F.col(c)) == 0)  # noqa: E731
     checks = [
@@ -124,7 +141,7 @@ def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: 
     from spark_jobs.split import VAL, split_column
 
     lean = ctx.persist(rows.select(
-        "id", "_file", "_row", "_key", "_prompt_key", "_text_hash", "_check", "_check_detail",
+        "id", "_file", "_row", "_key", "_prompt_key", "_text_hash", "_context_key", "_check", "_check_detail",
         F.concat(F.col("question_embedding"), F.col("answer_embedding")).alias("_vec"),
     ))
     ok = F.col("_check").isNull()
@@ -138,7 +155,8 @@ def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: 
             F.concat(F.lit("duplicate of "), F.col("_exact_rep")).alias("detail")))
         eligible = eligible.join(exact.select("_key"), "_key", "left_anti")
     if fcfg.near_dup_threshold is not None:
-        found = dedup.near_duplicates(eligible, key="_key", vec="_vec", settings=dedup.settings_for(fcfg))
+        found = dedup.near_duplicates(eligible, key="_key", vec="_vec", settings=dedup.settings_for(fcfg),
+                                      group="_context_key")
         near = found.frame
         if reports is not None:
             reports.append(found.report)

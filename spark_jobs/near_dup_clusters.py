@@ -26,7 +26,7 @@ import pandas as pd
 from spark_jobs.dedup_types import ClusterSettings
 
 PAIR_SCHEMA = "_key long, _lkey long, _lid string, _sim double"
-ASSIGN_SCHEMA = "_cluster int, _key long, _id string, _vec array<float>"
+ASSIGN_SCHEMA = "_cluster int, _key long, _id string, _group long, _vec array<float>"
 _BLOCK = 2048  # rows per block of the in-cluster similarity product (block x members floats in memory)
 _SAMPLE_BUCKETS = 1 << 20
 _SLACK = 1e-5  # float32 products can sit a hair under the float64 cosine
@@ -98,24 +98,26 @@ def assign_batches(batches: Iterator[pd.DataFrame], centroids: np.ndarray, key: 
         if len(rows) == 0:  # an empty list-of-arrays column has no Arrow type: yield nothing instead
             continue
         yield pd.DataFrame({"_cluster": top[rows, ranks].astype(np.int32), "_key": pdf[key].to_numpy()[rows],
-                            "_id": pdf["id"].to_numpy()[rows], "_vec": list(m[rows])})
+                            "_id": pdf["id"].to_numpy()[rows], "_group": pdf["_group"].to_numpy()[rows],
+                            "_vec": list(m[rows])})
 
 
 def pairs_in_cluster(pdf: pd.DataFrame, threshold: float) -> pd.DataFrame:
-    """applyInPandas body: one cluster's members -> (key, smallest smaller-key member at sim >= threshold).
-    sim = dot([q;a], [q';a']) / 2 = the mean of question and answer cosine."""
+    """applyInPandas body: one cluster's members -> (key, smallest smaller-key member at sim >= threshold
+    and the same `_group`). sim = dot([q;a], [q';a']) / 2 = the mean of question and answer cosine."""
     empty = pd.DataFrame({"_key": pd.Series([], dtype="int64"), "_lkey": pd.Series([], dtype="int64"),
                           "_lid": pd.Series([], dtype=object), "_sim": pd.Series([], dtype="float64")})
     if len(pdf) < 2:
         return empty
     pdf = pdf.sort_values("_key", kind="stable").drop_duplicates("_key")
-    keys, ids = pdf["_key"].to_numpy(), pdf["_id"].to_numpy()
+    keys, ids, groups = pdf["_key"].to_numpy(), pdf["_id"].to_numpy(), pdf["_group"].to_numpy()
     m = np.stack(pdf["_vec"].to_numpy()).astype(np.float32)
     out_j, out_l = [], []
     for lo in range(1, len(m), _BLOCK):
         hi = min(len(m), lo + _BLOCK)
         sims = (m[lo:hi] @ m[:hi].T) / 2.0  # rows lo..hi against every member with a smaller key (sorted)
         sims[np.arange(hi - lo)[:, None] <= np.arange(hi)[None, :] - lo] = -np.inf  # only earlier (smaller) keys
+        sims[groups[lo:hi, None] != groups[None, :hi]] = -np.inf  # only rows of the same group
         hit = sims >= threshold - _SLACK
         rows = np.nonzero(hit.any(axis=1))[0]
         if len(rows):
@@ -130,13 +132,17 @@ def pairs_in_cluster(pdf: pd.DataFrame, threshold: float) -> pd.DataFrame:
     return pd.DataFrame({"_key": keys[jidx[ok]], "_lkey": keys[lidx[ok]], "_lid": ids[lidx[ok]], "_sim": sims64[ok]})
 
 
-def find_near_duplicates_clustered(df, *, key: str, vec: str, threshold: float, rows: int, s: ClusterSettings):
-    """(key, `_near_rep`, `_near_sim`) for every row with a smaller-key near duplicate, and the clustering."""
+def find_near_duplicates_clustered(df, *, key: str, vec: str, threshold: float, rows: int, s: ClusterSettings,
+                                   group: str | None = None):
+    """(key, `_near_rep`, `_near_sim`) for every row with a smaller-key near duplicate of the same
+    `group` (all rows one group when None), and the clustering. Groups only mask pairs inside a
+    cluster: k-means runs on the vectors alone, so many small groups cost nothing extra."""
     from pyspark.sql import functions as F
 
     clustering = fit_clusters(df, key=key, vec=vec, rows=rows, s=s)
     centroids, probes, margin = clustering.centroids, s.probes, s.probe_margin
-    assigned = df.select(key, "id", vec).mapInPandas(
+    grp = F.col(group).cast("long") if group else F.lit(0).cast("long")
+    assigned = df.select(key, "id", grp.alias("_group"), vec).mapInPandas(
         lambda it: assign_batches(it, centroids, key, vec, probes, margin), ASSIGN_SCHEMA)
     pairs = assigned.groupBy("_cluster").applyInPandas(lambda pdf: pairs_in_cluster(pdf, threshold), PAIR_SCHEMA)
     best = pairs.groupBy("_key").agg(F.min(F.struct("_lkey", "_lid", "_sim")).alias("_m"))

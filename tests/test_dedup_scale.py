@@ -35,9 +35,11 @@ def clustered_rows(n: int, topics: int, seed: int) -> np.ndarray:
     return v
 
 
-def brute_force(v: np.ndarray, keys: np.ndarray, threshold: float) -> dict[int, int]:
-    """key -> smallest key with similarity >= threshold among smaller keys."""
+def brute_force(v: np.ndarray, keys: np.ndarray, threshold: float, groups: np.ndarray | None = None) -> dict[int, int]:
+    """key -> smallest key with similarity >= threshold among smaller keys (of the same group)."""
     sims = (v.astype(np.float64) @ v.T.astype(np.float64)) / 2
+    if groups is not None:
+        sims[groups[:, None] != groups[None, :]] = -np.inf
     order = np.argsort(keys)
     out = {}
     for rank, j in enumerate(order):
@@ -51,12 +53,26 @@ def brute_force(v: np.ndarray, keys: np.ndarray, threshold: float) -> dict[int, 
 def test_pairs_in_cluster_equals_brute_force():
     v = clustered_rows(700, 5, seed=3)
     keys = np.random.default_rng(0).permutation(10_000)[:700].astype(np.int64)
-    pdf = pd.DataFrame({"_key": keys, "_id": [f"id{k}" for k in keys], "_vec": list(v)})
+    pdf = pd.DataFrame({"_key": keys, "_id": [f"id{k}" for k in keys], "_group": np.zeros(700, np.int64), "_vec": list(v)})
     got = pairs_in_cluster(pdf, 0.9)
     want = brute_force(v, keys, 0.9)
     assert len(want) > 30
     assert dict(zip(got["_key"].astype(int), got["_lkey"].astype(int), strict=True)) == want
     assert (got["_lid"] == ["id" + str(k) for k in got["_lkey"]]).all()
+
+
+def test_pairs_in_cluster_pairs_only_rows_of_one_group():
+    """The group (the filter's conversation-context key) masks pairs: twins in different groups are
+    both kept, and a row's representative is the smallest key of its own group."""
+    v = clustered_rows(700, 5, seed=3)
+    keys = np.random.default_rng(0).permutation(10_000)[:700].astype(np.int64)
+    groups = np.random.default_rng(1).integers(0, 3, 700).astype(np.int64)
+    pdf = pd.DataFrame({"_key": keys, "_id": [f"id{k}" for k in keys], "_group": groups, "_vec": list(v)})
+    got = dict(zip(pairs_in_cluster(pdf, 0.9)["_key"].astype(int), pairs_in_cluster(pdf, 0.9)["_lkey"].astype(int),
+                   strict=True))
+    want = brute_force(v, keys, 0.9, groups)
+    assert len(want) > 5 and len(want) < len(brute_force(v, keys, 0.9))
+    assert got == want
 
 
 def test_spherical_kmeans_is_deterministic_and_unit():
@@ -100,7 +116,8 @@ def frame(spark, v: np.ndarray, keys: np.ndarray, partitions: int, tmp_path):
     import pyarrow.parquet as pq
 
     path = tmp_path / f"vec-{len(v)}-{partitions}.parquet"
-    pq.write_table(pa.table({"_key": keys, "id": [f"id{k}" for k in keys], "_vec": list(v)}), path)
+    groups = (keys % 3).astype(np.int64)  # a group column for the tests that pass group="_group"
+    pq.write_table(pa.table({"_key": keys, "id": [f"id{k}" for k in keys], "_group": groups, "_vec": list(v)}), path)
     return spark.read.parquet(f"file://{path}").repartition(partitions)
 
 
@@ -108,7 +125,7 @@ def test_cluster_method_matches_brute_force_and_reports_measured_recall(spark, t
     from spark_jobs.dedup import near_duplicates
 
     v = clustered_rows(3000, 12, seed=5)
-    keys = np.random.default_rng(2).permutation(1 << 30)[:3000].astype(np.int64)
+    keys = np.random.default_rng(2).choice(1 << 30, size=3000, replace=False).astype(np.int64)
     want = brute_force(v, keys, 0.9)
     settings = NearDupSettings(threshold=0.9, method="cluster", cluster=ClusterSettings(cluster_size=250),
                                recall_sample=400)
@@ -143,3 +160,22 @@ def test_measured_recall_sees_a_method_that_misses(spark, tmp_path):
     assert m.with_duplicate > 10 and m.recall < 0.6
     assert got.report.expected_recall_at_threshold < 0.1
     got.frame.unpersist()
+
+
+@pytest.mark.parametrize("method", ["cluster", "lsh"])
+def test_both_methods_and_the_recall_check_respect_groups(spark, tmp_path, method):
+    from spark_jobs.dedup import near_duplicates
+
+    v = clustered_rows(1500, 6, seed=11)
+    keys = np.random.default_rng(4).choice(1 << 30, size=1500, replace=False).astype(np.int64)
+    want = brute_force(v, keys, 0.9, (keys % 3).astype(np.int64))
+    settings = NearDupSettings(threshold=0.9, method=method, recall_sample=1500,
+                               cluster=ClusterSettings(cluster_size=250),
+                               lsh=LshSettings(bands=64, rows_per_band=8, min_band_matches=1, max_leaders=64))
+    got = near_duplicates(frame(spark, v, keys, 2, tmp_path), key="_key", vec="_vec", settings=settings, group="_group")
+    found = {int(r["_key"]): int(r["_near_rep"][2:]) for r in got.frame.collect()}
+    got.frame.unpersist()
+    assert len(want) > 20
+    assert set(found) <= set(want) and all(found[k] == want[k] for k in found)  # no cross-group drop
+    assert len(found) / len(want) >= 0.95
+    assert got.report.measured.with_duplicate == len(want)  # the brute-force truth is per group too
