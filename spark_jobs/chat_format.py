@@ -24,9 +24,9 @@ Tokenizers, by `filter.tokenizer`:
     prefix ending at an assistant turn (`add_generation_prompt=True`) and including it; a template
     whose prefix is not a prefix of the whole rendering is refused, naming the tokenizer.
 `TokenizerSpec` (pipeline_core.handoffs) records the identity, including a Jinja chat template
-equivalent to the rendering (the model's own for HF; `MISTRAL_V1_TEMPLATE` /
-`MISTRAL_V3_TEMPLATE` reproduce mistral-common's layout as text), so exported models render the
-same way. Pure Python: loaded once per Spark executor process through `load_tokenizer`'s cache.
+equivalent to the rendering (the model's own for HF; for mistral-common, `chat_templates`'
+`MISTRAL_V1_TEMPLATE` / `MISTRAL_V3_TEMPLATE`, whose `apply_chat_template` gives the renderer's
+ids), so exported models render the same way. Pure Python: loaded once per Spark executor process through `load_tokenizer`'s cache.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline_core.handoffs import TokenizerSpec
+from spark_jobs.chat_templates import MISTRAL_V1_TEMPLATE, MISTRAL_V3_TEMPLATE
 from spark_jobs.conversation import (
     RENDER_FAILED,
     TEMPLATE_UNSUPPORTED,
@@ -56,38 +57,6 @@ MISTRAL_COMMON_FILES = {
     "mistral-v3": "mistral_instruct_tokenizer_240323.model.v3",
 }
 TrainOn = Literal["all_assistant_turns", "last_assistant_turn"]
-
-# Jinja equivalents of mistral-common's layouts as text (for tokenizer_config.json's chat_template:
-# apply_chat_template, vLLM and TGI then format prompts the way training did).
-MISTRAL_V1_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
-    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system = none %}{%- set loop_messages = messages %}"
-    "{%- endif %}{{- bos_token }}{%- set ns = namespace(first=true) %}"
-    "{%- for m in loop_messages %}"
-    "{%- if m['role'] == 'user' %}"
-    "{%- if ns.first and system %}{{- ' [INST] ' + system + '\\n\\n' + m['content'] + ' [/INST]' }}"
-    "{%- else %}{{- ' [INST] ' + m['content'] + ' [/INST]' }}{%- endif %}{%- set ns.first = false %}"
-    "{%- elif m['role'] == 'assistant' %}{{- ' ' + m['content'] + eos_token }}"
-    "{%- endif %}{%- endfor %}"
-)
-MISTRAL_V3_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
-    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system = none %}{%- set loop_messages = messages %}"
-    "{%- endif %}{%- set ns = namespace(last=-1) %}"
-    "{%- for m in loop_messages %}{%- if m['role'] == 'user' %}{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
-    "{{- bos_token }}{%- for m in loop_messages %}"
-    "{%- if m['role'] == 'user' %}"
-    "{%- if loop.index0 == ns.last and tools %}{{- '[AVAILABLE_TOOLS] ' + tools|tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
-    "{%- if loop.index0 == ns.last and system %}{{- '[INST] ' + system + '\\n\\n' + m['content'] + '[/INST]' }}"
-    "{%- else %}{{- '[INST] ' + m['content'] + '[/INST]' }}{%- endif %}"
-    "{%- elif m['role'] == 'assistant' %}"
-    "{%- if m['tool_calls'] %}{%- if loop.index0 > ns.last %}{{- '[TOOL_CALLS] ' + m['tool_calls']|map(attribute='function')|list|tojson + eos_token }}{%- endif %}"
-    "{%- else %}{{- ' ' + m['content'] + eos_token }}{%- endif %}"
-    "{%- elif m['role'] == 'tool' and loop.index0 > ns.last %}"
-    "{{- '[TOOL_RESULTS] ' + {'content': m['content'], 'call_id': m['tool_call_id']}|tojson + '[/TOOL_RESULTS]' }}"
-    "{%- endif %}{%- endfor %}"
-)
-
 
 @dataclass(frozen=True)
 class Rendered:
