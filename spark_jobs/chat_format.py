@@ -21,8 +21,10 @@ Tokenizers, by `filter.tokenizer`:
   - any other value: a Hugging Face tokenizer directory or hub id, rendered with its own
     `chat_template` (`tools=` passed when the record has schemas). The assistant mask comes from
     the template: its `{% generation %}` blocks when it has them, otherwise the ids of each
-    prefix ending at an assistant turn (`add_generation_prompt=True`) and including it; a template
-    whose prefix is not a prefix of the whole rendering is refused, naming the tokenizer.
+    prefix ending at an assistant turn (`add_generation_prompt=True`) and including it, up to its
+    last eos (a separator written after it is not trained). Refused at load, naming the tokenizer:
+    no eos, no chat_template, a template whose prefix is not a prefix of the whole rendering, or
+    one whose mask does not cover a probe answer (generation block in the wrong place).
 `TokenizerSpec` (pipeline_core.handoffs) records the identity, including a Jinja chat template
 equivalent to the rendering (the model's own for HF; for mistral-common, `chat_templates`'
 `MISTRAL_V1_TEMPLATE` / `MISTRAL_V3_TEMPLATE`, whose `apply_chat_template` gives the renderer's
@@ -287,6 +289,15 @@ def _maybe_json(s: str) -> Any:
         return s
 
 
+def _turn_end(ids: Sequence[int], start: int, end: int, eos_id: int) -> int:
+    """An assistant turn ends with its end-of-turn token: separators a template writes after it
+    (a newline before the next turn) are not the answer and are not trained."""
+    for i in range(end - 1, start - 1, -1):
+        if ids[i] == eos_id:
+            return i + 1
+    return end
+
+
 class HFChatTokenizer(ChatTokenizer):
     def __init__(self, spec: str):
         import transformers
@@ -311,9 +322,15 @@ class HFChatTokenizer(ChatTokenizer):
             probe = build_conversation([{"role": "user", "content": "What is 2+2?"},
                                         {"role": "assistant", "content": "4."}], None, None, ConversationOptions())
             try:
-                self.render(probe)
+                r = self.render(probe)
             except RenderError as e:
                 raise ValueError(str(e)) from None
+            trained = self.decode([i for i, t in zip(r.input_ids, r.targets, strict=True) if t]).strip()
+            if "4." not in trained:
+                raise ValueError(
+                    f"filter.tokenizer: the chat template of {spec!r} does not mark the answer as the assistant's "
+                    f"tokens (the trained tokens of a probe answer '4.' are {trained!r}); its {{% generation %}} "
+                    "block must enclose the assistant's content and end-of-turn token")
 
     def _ids(self, messages: list[dict[str, Any]], tools, add_generation_prompt: bool, mask: bool = False):
         out = self._tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
@@ -343,7 +360,7 @@ class HFChatTokenizer(ChatTokenizer):
                     raise RenderError(TEMPLATE_UNSUPPORTED, (
                         f"filter.tokenizer: the chat template of {self.spec!r} does not render a conversation's "
                         "prefix as a prefix of the whole; cannot tell assistant tokens from prompt tokens"))
-                spans.append((len(before), len(through), True))
+                spans.append((len(before), _turn_end(ids, len(before), len(through), self.eos_id), True))
         except RenderError:
             raise
         except Exception as e:  # noqa: BLE001 - the template refuses this conversation: a reject
