@@ -95,6 +95,17 @@ def test_every_record_is_accounted_for_with_its_reason(sample_run):
             expected[r["uuid"]] = reason
     got = dict(zip(rejects.column("id").to_pylist(), rejects.column("reason").to_pylist(), strict=True))
     assert got == expected
+    # per split (the file's `<split>-*` name), as the manifest publishes them
+    per_split: dict = {}
+    for split, recs in sample_data.generate(300, 0).items():
+        c = per_split.setdefault(split, {"in": 0, "out": 0, "rejected": {}})
+        for r in recs:
+            c["in"] += 1
+            if r["uuid"] in expected:
+                c["rejected"][expected[r["uuid"]]] = c["rejected"].get(expected[r["uuid"]], 0) + 1
+            else:
+                c["out"] += 1
+    assert m.extra["splits"] == per_split and per_split["code"]["rejected"].get("prompt_withheld")
     assert set(rejects.column("stage").to_pylist()) == {"enrich"}
     raw = json.loads(rejects.filter(pa.compute.equal(rejects.column("reason"), "unknown_role")).column("raw")[0].as_py())
     assert raw["messages"][1]["role"] == "narrator"  # the original record is kept
