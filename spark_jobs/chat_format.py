@@ -240,8 +240,6 @@ class MistralCommonTokenizer(ChatTokenizer):
 
     def reference_ids(self, conv: Conversation) -> list[int]:
         """mistral-common's own `encode_instruct` of the conversation (tests and the load check)."""
-        if hasattr(self._inst, "_validate_tool_results"):
-            pass
         return list(self._inst.encode_instruct(self.request(conv)).tokens)
 
     def _check_walk(self) -> None:
