@@ -5,10 +5,11 @@ A stage's life is `run_stage`, the one lifecycle both stages use: committed-chec
 the artifact is already there, nothing to do) -> a staging directory of this attempt alone
 (`attempt_staging`: unique per attempt, so a retry or a concurrent run never shares or deletes
 another attempt's files; what a crashed attempt left is swept by the next attempt of the same
-artifact once that attempt is provably dead, spark_jobs.staging) -> Spark session -> the stage's `compute` (writes Parquet under the staging
-directory and returns counts + manifest extra) -> count checks (in = out + rejected; an empty output
-or a reject share over `pipeline.max_reject_ratio` fails with the counts) -> `publish` -> cleanup
-of this attempt's staging (on success and on failure) and of the frames it persisted.
+artifact once that attempt is provably dead, spark_jobs.staging) -> Spark session -> the stage's
+`compute` (writes Parquet under the staging directory and returns counts + manifest extra) -> count
+checks (in = out + rejected; an empty output or a reject share over `pipeline.max_reject_ratio` fails
+with the counts) -> `publish` -> cleanup of this attempt's staging (on success and on failure) and
+of the frames it persisted.
 """
 
 from __future__ import annotations
