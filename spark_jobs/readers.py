@@ -215,10 +215,12 @@ SPLIT_COLUMN = "split"
 
 def split_of_file():
     """The record's split: its file's name up to the first `-` (`data/<split>-*`); '' for files not
-    named by split. Per-split counts in the manifest come from it."""
+    named by split. Per-split counts in the manifest come from it. From the scan's `_metadata`
+    column, a value of the row itself (`input_file_name()` is per-thread state that a Python UDF
+    evaluated in the same stage can read out of step with the rows)."""
     from pyspark.sql import functions as F
 
-    return F.regexp_extract(F.input_file_name(), r"([^/]+?)-[^/]*$", 1).alias(SPLIT_COLUMN)
+    return F.regexp_extract(F.col("_metadata.file_path"), r"([^/]+?)-[^/]*$", 1).alias(SPLIT_COLUMN)
 
 
 def decode_line(line: bytes | bytearray) -> str:
