@@ -56,6 +56,12 @@ class PipelineSection(Section):
         default_factory=lambda: uris.qualify(PROJECT_ROOT / ".cache" / "staging"),
         description="Shared file system where Spark and the trainer write before publishing",
     )
+    staging_ttl_s: float = Field(
+        600.0, ge=5.0,
+        description="A Spark stage attempt refreshes its staging heartbeat every ttl/6 s; a later attempt of the "
+                    "same artifact sweeps a dead one's staging (owner process gone on this host, or no heartbeat "
+                    "from another host for this long)",
+    )
     max_reject_ratio: float = Field(
         0.5, ge=0.0, le=1.0,
         description="A Spark stage whose rejects exceed this share of its input fails (with counts) instead of committing",

@@ -21,12 +21,14 @@ Tokenizers, by `filter.tokenizer`:
   - any other value: a Hugging Face tokenizer directory or hub id, rendered with its own
     `chat_template` (`tools=` passed when the record has schemas). The assistant mask comes from
     the template: its `{% generation %}` blocks when it has them, otherwise the ids of each
-    prefix ending at an assistant turn (`add_generation_prompt=True`) and including it; a template
-    whose prefix is not a prefix of the whole rendering is refused, naming the tokenizer.
+    prefix ending at an assistant turn (`add_generation_prompt=True`) and including it, up to its
+    last eos (a separator written after it is not trained). Refused at load, naming the tokenizer:
+    no eos, no chat_template, a template whose prefix is not a prefix of the whole rendering, or
+    one whose mask does not cover a probe answer (generation block in the wrong place).
 `TokenizerSpec` (pipeline_core.handoffs) records the identity, including a Jinja chat template
-equivalent to the rendering (the model's own for HF; `MISTRAL_V1_TEMPLATE` /
-`MISTRAL_V3_TEMPLATE` reproduce mistral-common's layout as text), so exported models render the
-same way. Pure Python: loaded once per Spark executor process through `load_tokenizer`'s cache.
+equivalent to the rendering (the model's own for HF; for mistral-common, `chat_templates`'
+`MISTRAL_V1_TEMPLATE` / `MISTRAL_V3_TEMPLATE`, whose `apply_chat_template` gives the renderer's
+ids), so exported models render the same way. Pure Python: loaded once per Spark executor process through `load_tokenizer`'s cache.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline_core.handoffs import TokenizerSpec
+from spark_jobs.chat_templates import MISTRAL_V1_TEMPLATE, MISTRAL_V3_TEMPLATE
 from spark_jobs.conversation import (
     RENDER_FAILED,
     TEMPLATE_UNSUPPORTED,
@@ -56,38 +59,6 @@ MISTRAL_COMMON_FILES = {
     "mistral-v3": "mistral_instruct_tokenizer_240323.model.v3",
 }
 TrainOn = Literal["all_assistant_turns", "last_assistant_turn"]
-
-# Jinja equivalents of mistral-common's layouts as text (for tokenizer_config.json's chat_template:
-# apply_chat_template, vLLM and TGI then format prompts the way training did).
-MISTRAL_V1_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
-    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system = none %}{%- set loop_messages = messages %}"
-    "{%- endif %}{{- bos_token }}{%- set ns = namespace(first=true) %}"
-    "{%- for m in loop_messages %}"
-    "{%- if m['role'] == 'user' %}"
-    "{%- if ns.first and system %}{{- ' [INST] ' + system + '\\n\\n' + m['content'] + ' [/INST]' }}"
-    "{%- else %}{{- ' [INST] ' + m['content'] + ' [/INST]' }}{%- endif %}{%- set ns.first = false %}"
-    "{%- elif m['role'] == 'assistant' %}{{- ' ' + m['content'] + eos_token }}"
-    "{%- endif %}{%- endfor %}"
-)
-MISTRAL_V3_TEMPLATE = (
-    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
-    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set system = none %}{%- set loop_messages = messages %}"
-    "{%- endif %}{%- set ns = namespace(last=-1) %}"
-    "{%- for m in loop_messages %}{%- if m['role'] == 'user' %}{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
-    "{{- bos_token }}{%- for m in loop_messages %}"
-    "{%- if m['role'] == 'user' %}"
-    "{%- if loop.index0 == ns.last and tools %}{{- '[AVAILABLE_TOOLS] ' + tools|tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}"
-    "{%- if loop.index0 == ns.last and system %}{{- '[INST] ' + system + '\\n\\n' + m['content'] + '[/INST]' }}"
-    "{%- else %}{{- '[INST] ' + m['content'] + '[/INST]' }}{%- endif %}"
-    "{%- elif m['role'] == 'assistant' %}"
-    "{%- if m['tool_calls'] %}{%- if loop.index0 > ns.last %}{{- '[TOOL_CALLS] ' + m['tool_calls']|map(attribute='function')|list|tojson + eos_token }}{%- endif %}"
-    "{%- else %}{{- ' ' + m['content'] + eos_token }}{%- endif %}"
-    "{%- elif m['role'] == 'tool' and loop.index0 > ns.last %}"
-    "{{- '[TOOL_RESULTS] ' + {'content': m['content'], 'call_id': m['tool_call_id']}|tojson + '[/TOOL_RESULTS]' }}"
-    "{%- endif %}{%- endfor %}"
-)
-
 
 @dataclass(frozen=True)
 class Rendered:
@@ -269,8 +240,6 @@ class MistralCommonTokenizer(ChatTokenizer):
 
     def reference_ids(self, conv: Conversation) -> list[int]:
         """mistral-common's own `encode_instruct` of the conversation (tests and the load check)."""
-        if hasattr(self._inst, "_validate_tool_results"):
-            pass
         return list(self._inst.encode_instruct(self.request(conv)).tokens)
 
     def _check_walk(self) -> None:
@@ -318,6 +287,15 @@ def _maybe_json(s: str) -> Any:
         return s
 
 
+def _turn_end(ids: Sequence[int], start: int, end: int, eos_id: int) -> int:
+    """An assistant turn ends with its end-of-turn token: separators a template writes after it
+    (a newline before the next turn) are not the answer and are not trained."""
+    for i in range(end - 1, start - 1, -1):
+        if ids[i] == eos_id:
+            return i + 1
+    return end
+
+
 class HFChatTokenizer(ChatTokenizer):
     def __init__(self, spec: str):
         import transformers
@@ -342,9 +320,15 @@ class HFChatTokenizer(ChatTokenizer):
             probe = build_conversation([{"role": "user", "content": "What is 2+2?"},
                                         {"role": "assistant", "content": "4."}], None, None, ConversationOptions())
             try:
-                self.render(probe)
+                r = self.render(probe)
             except RenderError as e:
                 raise ValueError(str(e)) from None
+            trained = self.decode([i for i, t in zip(r.input_ids, r.targets, strict=True) if t]).strip()
+            if "4." not in trained:
+                raise ValueError(
+                    f"filter.tokenizer: the chat template of {spec!r} does not mark the answer as the assistant's "
+                    f"tokens (the trained tokens of a probe answer '4.' are {trained!r}); its {{% generation %}} "
+                    "block must enclose the assistant's content and end-of-turn token")
 
     def _ids(self, messages: list[dict[str, Any]], tools, add_generation_prompt: bool, mask: bool = False):
         out = self._tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
@@ -374,7 +358,7 @@ class HFChatTokenizer(ChatTokenizer):
                     raise RenderError(TEMPLATE_UNSUPPORTED, (
                         f"filter.tokenizer: the chat template of {self.spec!r} does not render a conversation's "
                         "prefix as a prefix of the whole; cannot tell assistant tokens from prompt tokens"))
-                spans.append((len(before), len(through), True))
+                spans.append((len(before), _turn_end(ids, len(before), len(through), self.eos_id), True))
         except RenderError:
             raise
         except Exception as e:  # noqa: BLE001 - the template refuses this conversation: a reject

@@ -4,10 +4,12 @@ timings, and publishing through `pipeline_core.artifacts`.
 A stage's life is `run_stage`, the one lifecycle both stages use: committed-check (`committed_output`:
 the artifact is already there, nothing to do) -> a staging directory of this attempt alone
 (`attempt_staging`: unique per attempt, so a retry or a concurrent run never shares or deletes
-another attempt's files) -> Spark session -> the stage's `compute` (writes Parquet under the staging
-directory and returns counts + manifest extra) -> count checks (in = out + rejected; an empty output
-or a reject share over `pipeline.max_reject_ratio` fails with the counts) -> `publish` -> cleanup
-of this attempt's staging (on success and on failure) and of the frames it persisted.
+another attempt's files; what a crashed attempt left is swept by the next attempt of the same
+artifact once that attempt is provably dead, spark_jobs.staging) -> Spark session -> the stage's
+`compute` (writes Parquet under the staging directory and returns counts + manifest extra) -> count
+checks (in = out + rejected; an empty output or a reject share over `pipeline.max_reject_ratio` fails
+with the counts) -> `publish` -> cleanup of this attempt's staging (on success and on failure) and
+of the frames it persisted.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import re
 import shutil
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from pipeline_core import uris
 from pipeline_core.artifacts import ArtifactConflict, Manifest, publish_artifact, read_manifest
 from pipeline_core.config import Config, StorageSection, stable_hash
 from pipeline_core.layout import staging_dir
+from spark_jobs.staging import AttemptStaging, sweep_dead_attempts
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -136,19 +138,27 @@ def committed_output(output_uri: str, config: dict[str, Any], storage: StorageSe
     return m
 
 
-def attempt_staging(cfg: Config, stage: str, output_uri: str) -> tuple[str, Path]:
-    """A new, empty local staging directory owned by this attempt alone: (file:// URI for Spark,
-    path for publishing). Named `<output hash>-<attempt id>`: attempts never share one, and an
-    attempt only ever deletes its own."""
-    uri = staging_dir(cfg, stage, f"{stable_hash(output_uri)[:16]}-{uuid.uuid4().hex[:12]}")
+def stage_staging_dir(cfg: Config, stage: str) -> Path:
+    """`<pipeline.staging_uri>/<stage>` as a local path (Spark stages stage to a file:// directory)."""
+    uri = staging_dir(cfg, stage)
     if not uris.is_local(uri):
         raise ValueError(
             f"pipeline.staging_uri {cfg.pipeline.staging_uri!r}: Spark stages stage to a file:// directory "
             "(on a cluster, a shared mount) before publishing to the store"
         )
-    path = uris.to_local_path(uri)
-    path.mkdir(parents=True, exist_ok=False)
-    return uri, path
+    return uris.to_local_path(uri)
+
+
+def staging_key(output_uri: str) -> str:
+    """The part of an attempt's staging name that says which artifact it writes."""
+    return stable_hash(output_uri)[:16]
+
+
+def attempt_staging(cfg: Config, stage: str, output_uri: str) -> AttemptStaging:
+    """A new, empty local staging directory owned by this attempt alone, with its owner record and
+    heartbeat (spark_jobs.staging). Named `<output key>-<attempt id>`: attempts never share one, and
+    an attempt deletes only its own or, through `sweep_dead_attempts`, a provably dead one's."""
+    return AttemptStaging(stage_staging_dir(cfg, stage), staging_key(output_uri), cfg.pipeline.staging_ttl_s)
 
 
 def download_dir(staging: Path) -> Path:
@@ -330,6 +340,8 @@ def run_stage(spec: StageSpec, cfg: Config, section: Any, output_uri: str, confi
               before_compute: Callable[[], None] | None = None) -> Manifest:
     """The lifecycle of a Spark stage (see the module docstring). `section` is the stage's
     SparkStageSection (master, partitions, spark_conf, arrow_batch_rows)."""
+    # what crashed attempts of this artifact left behind goes first (also when it is already committed)
+    sweep_dead_attempts(stage_staging_dir(cfg, spec.name), staging_key(output_uri), cfg.pipeline.staging_ttl_s)
     done = committed_output(output_uri, config, cfg.storage)
     if done is not None:
         log.info("%s is already committed with this config (counts %s); nothing to do", output_uri, done.counts)
@@ -337,7 +349,8 @@ def run_stage(spec: StageSpec, cfg: Config, section: Any, output_uri: str, confi
     if before_compute is not None:
         before_compute()  # checks that must fail before any Spark work
     timer = StageTimer(spec.name)
-    staging_uri, staging = attempt_staging(cfg, spec.name, output_uri)
+    attempt = attempt_staging(cfg, spec.name, output_uri)
+    staging, staging_uri = attempt.path, uris.qualify(attempt.path)
     own = spark is None
     ctx = None
     try:
@@ -356,5 +369,4 @@ def run_stage(spec: StageSpec, cfg: Config, section: Any, output_uri: str, confi
             frame.unpersist()
         if own and spark is not None:
             spark.stop()
-        clean_staging(staging)
-        clean_staging(download_dir(staging))
+        attempt.close()  # the staging directory, its -input / -docs siblings, the owner record

@@ -49,7 +49,7 @@ from spark_jobs.common import (
 )
 from spark_jobs.normalize import Rejected, normalise
 from spark_jobs.partitioning import ENRICH_ROWS_PER_PARTITION, stage_partitions
-from spark_jobs.readers import MESSAGES_DDL, read_records
+from spark_jobs.readers import MESSAGES_DDL, SPLIT_COLUMN, read_records
 from spark_jobs.scoring import ScoringParams, score_record
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ def _compute(ctx: StageContext, input_uri: str, cfg: Config) -> StageOutput:
         raw, source = read_records(spark, input_uri, e.splits, e.input_format, download_dir=download_dir(staging),
                                    storage=cfg.storage)
         normalised = raw.select(
-            F.col("uuid").alias("id"), "category", "reasoning", "metadata", "messages_json", "raw",
+            F.col("uuid").alias("id"), "category", "reasoning", "metadata", "messages_json", "raw", SPLIT_COLUMN,
             normalise_udf(e)("uuid", "messages_json", "read_error").alias("n"),
         ).select("*", "n.*").drop("n")
         # Lean persisted frame: the record's JSON (`raw`) only where it is a reject, the messages only
@@ -186,6 +186,7 @@ def _compute(ctx: StageContext, input_uri: str, cfg: Config) -> StageOutput:
         ).first()
         n_in, n_sent, n_ok = int(stats["rows"]), int(stats["sentences"] or 0), int(stats["accepted"])
         info["rows"] = n_in
+        per_split = split_counts(norm.groupBy(SPLIT_COLUMN, "reason").count().collect())
 
     with timer.step("write rejects") as info:
         write_parquet(rejects_frame(norm.where(F.col("reason").isNotNull()), STAGE), uris.join(staging_uri, "rejects"))
@@ -226,10 +227,25 @@ def _compute(ctx: StageContext, input_uri: str, cfg: Config) -> StageOutput:
         "embedding_dim": _embedding_dim(staging),
         "source": source,
         "stats": {"context_sentences": n_sent, "texts_embedded": n_sent + 2 * n_ok},
+        "splits": per_split,
     }
     log.info("[enrich] %d records in, %d out, %d rejected %s", counts["in"], counts["out"],
              sum(counts["rejected"].values()), counts["rejected"])
     return StageOutput(counts, extra)
+
+
+def split_counts(rows) -> dict[str, dict]:
+    """{split: {"in", "out", "rejected": {reason: n}}} from (split, reason, count) rows (reason null:
+    accepted); records of files not named by split count under "" ."""
+    out: dict[str, dict] = {}
+    for split, reason, n in sorted(((r[0] or "", r[1], int(r[2])) for r in rows), key=lambda r: (r[0], r[1] or "")):
+        c = out.setdefault(split, {"in": 0, "out": 0, "rejected": {}})
+        c["in"] += n
+        if reason is None:
+            c["out"] += n
+        else:
+            c["rejected"][reason] = n
+    return out
 
 
 def _embedding_dim(staging) -> int | None:

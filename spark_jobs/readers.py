@@ -191,7 +191,7 @@ def _read_parquet(spark: SparkSession, files: list[str]) -> DataFrame:
     fields = [(F.col(f).cast("string") if f in cols else F.lit(None).cast("string")).alias(f) for f in STRING_FIELDS]
     return df.select(
         *fields, m.alias("messages_json"), F.to_json(F.struct(*[F.col(c) for c in df.columns])).alias("raw"),
-        F.lit(None).cast("string").alias("read_error"),
+        F.lit(None).cast("string").alias("read_error"), split_of_file(),
     )
 
 
@@ -207,7 +207,20 @@ def _read_jsonl(spark: SparkSession, files: list[str]) -> DataFrame:
     lines = spark.read.text(files).where(F.trim("value") != "")  # blank lines are not records
     # Spark's text reader keeps a line's bytes as they are, invalid UTF-8 included, and Arrow refuses
     # to turn such a string into Python: hand the UDF the bytes and decode them there.
-    return lines.select(parse(F.col("value").cast("binary")).alias("r")).select("r.*")
+    return lines.select(parse(F.col("value").cast("binary")).alias("r"), split_of_file()).select("r.*", SPLIT_COLUMN)
+
+
+SPLIT_COLUMN = "split"
+
+
+def split_of_file():
+    """The record's split: its file's name up to the first `-` (`data/<split>-*`); '' for files not
+    named by split. Per-split counts in the manifest come from it. From the scan's `_metadata`
+    column, a value of the row itself (`input_file_name()` is per-thread state that a Python UDF
+    evaluated in the same stage can read out of step with the rows)."""
+    from pyspark.sql import functions as F
+
+    return F.regexp_extract(F.col("_metadata.file_path"), r"([^/]+?)-[^/]*$", 1).alias(SPLIT_COLUMN)
 
 
 def decode_line(line: bytes | bytearray) -> str:
@@ -218,7 +231,7 @@ def decode_line(line: bytes | bytearray) -> str:
 def read_records(spark: SparkSession, input_uri: str, splits: list[str], fmt: str = "auto",
                  download_dir: Path | None = None, storage: StorageSection | None = None,
                  ) -> tuple[DataFrame, dict[str, Any]]:
-    """(records with the RAW_SCHEMA columns, a description of the source for the manifest).
+    """(records with the RAW_SCHEMA columns and `split`, a description of the source for the manifest).
     Hub datasets, and s3:// prefixes when Spark has no s3a connector, are first copied to
     `download_dir` (a staging directory)."""
     source: dict[str, Any] = {"uri": input_uri}

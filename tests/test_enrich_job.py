@@ -95,6 +95,17 @@ def test_every_record_is_accounted_for_with_its_reason(sample_run):
             expected[r["uuid"]] = reason
     got = dict(zip(rejects.column("id").to_pylist(), rejects.column("reason").to_pylist(), strict=True))
     assert got == expected
+    # per split (the file's `<split>-*` name), as the manifest publishes them
+    per_split: dict = {}
+    for split, recs in sample_data.generate(300, 0).items():
+        c = per_split.setdefault(split, {"in": 0, "out": 0, "rejected": {}})
+        for r in recs:
+            c["in"] += 1
+            if r["uuid"] in expected:
+                c["rejected"][expected[r["uuid"]]] = c["rejected"].get(expected[r["uuid"]], 0) + 1
+            else:
+                c["out"] += 1
+    assert m.extra["splits"] == per_split and per_split["code"]["rejected"].get("prompt_withheld")
     assert set(rejects.column("stage").to_pylist()) == {"enrich"}
     raw = json.loads(rejects.filter(pa.compute.equal(rejects.column("reason"), "unknown_role")).column("raw")[0].as_py())
     assert raw["messages"][1]["role"] == "narrator"  # the original record is kept
@@ -225,3 +236,18 @@ def test_spark_submit_on_json_lines_with_broken_lines(tmp_path):
     rejected = m.counts["rejected"]
     assert rejected.get("unparseable_json") == 2 and rejected.get("not_an_object") == 1
     assert m.counts["in"] == len(recs) + sample_data.BROKEN_JSONL_LINES == m.counts["out"] + sum(rejected.values())
+
+
+def test_each_record_knows_its_split_across_files_and_arrow_batches(spark, tmp_path):
+    """JSON Lines of two splits, each longer than an Arrow batch (512 rows here), read through the
+    Python parser: every row carries the split of its own file (what extra.splits counts)."""
+    from spark_jobs.readers import read_records
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, n in (("chat", 700), ("multilingual_de", 530)):
+        (data / f"{split}-00000-of-00001.jsonl").write_text(
+            "".join(json.dumps({"uuid": f"{split}:{i}", "messages": []}) + "\n" for i in range(n)))
+    df, _ = read_records(spark, uris.qualify(tmp_path), ["chat", "multilingual_de"], "auto")
+    rows = df.select("uuid", "split").collect()
+    assert len(rows) == 1230 and all(r["uuid"].split(":")[0] == r["split"] for r in rows)
