@@ -1,5 +1,6 @@
 """Helpers for the DAG tests: an isolated Airflow home (SQLite) per test session, the Airflow CLI
-in subprocesses, the committed artifacts a run produced."""
+in subprocesses, a throw-away PostgreSQL cluster, and the task context an operator gets from the
+Task Runner (its `ti` and `outlet_events`) for tests that call an operator without a scheduler."""
 
 from __future__ import annotations
 
@@ -53,6 +54,44 @@ def airflow(args: list[str], env: dict[str, str], timeout: float = 600, check: b
 def init_db(env: dict[str, str]) -> None:
     airflow(["db", "migrate"], env, timeout=300)
     airflow(["pools", "set", "gpu", "1", "concurrent training runs"], env, timeout=120)
+
+
+class FakeTI:
+    """The task instance as an operator sees it: `xcom_pull` of the `resolve` task's plan."""
+
+    dag_id, task_id, map_index, try_number = DAG_ID, "train", -1, 1
+
+    def __init__(self, plan):
+        self.plan = plan
+        self.pushed: dict[str, object] = {}
+
+    def xcom_pull(self, task_ids):
+        assert task_ids == "resolve"
+        return self.plan
+
+    def xcom_push(self, key, value):
+        self.pushed[key] = value
+
+
+class FakeAccessor:
+    """One outlet's event accessor: records what `add` was given."""
+
+    def __init__(self):
+        self.added = []
+
+    def add(self, asset, extra=None):
+        self.added.append((asset, extra))
+
+
+class FakeOutletEvents(dict):
+    def __missing__(self, key):
+        self[key] = FakeAccessor()
+        return self[key]
+
+
+def task_context(plan) -> dict:
+    """The context keys the stage operators read: `ti` and `outlet_events`."""
+    return {"ti": FakeTI(plan), "outlet_events": FakeOutletEvents()}
 
 
 PG_BIN = Path("/usr/lib/postgresql/15/bin")

@@ -172,8 +172,10 @@ def test_dags_test_local_store(home, tmp_path):
             complete[ev["job"]["name"].split(".", 1)[1]] = ev
     path = lambda uri: uris.to_local_path(uri).as_posix()  # noqa: E731
     io = {t: ([d["name"] for d in complete[t]["inputs"]], [d["name"] for d in complete[t]["outputs"]])
-          for t in ("enrich", "filter", "train")}
+          for t in ("enrich", "filter", "data_report", "train")}
     assert io["enrich"] == ([path(plan.source_uri)], [path(plan.enriched_uri)])
+    [report] = io["data_report"][1]
+    assert io["data_report"][0] == [path(plan.train_ready_uri)] and "/report/" in report
     assert io["filter"] == ([path(plan.enriched_uri)], [path(plan.train_ready_uri)])
     assert io["train"] == ([path(plan.train_ready_uri)], [path(plan.model_uri)])
     stats = complete["filter"]["outputs"][0]["outputFacets"]["outputStatistics"]

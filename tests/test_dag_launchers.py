@@ -1,7 +1,10 @@
 """The train and Spark operators render the right specs, checked on the real operator objects with
-their templates rendered against a real plan (no Docker engine or cluster exists here): image,
-command, GPU/CPU/memory requests, volumes, shm, multi-node rendezvous, deterministic names, and
-credentials never in plain container config."""
+their templates rendered against a real plan (no Docker engine or Kubernetes cluster exists here):
+image, command, GPU/CPU/memory requests, volumes, shm, multi-node rendezvous, deterministic names,
+and credentials never in plain container config. The Kubernetes manifests are also checked against
+what an API server would refuse (`tests/k8s_validation.py`: the OpenAPI schema of the installed
+client package plus the server's own rules), and the Kubernetes operator is driven through its
+real `execute` against a stand-in API (the one thing that cannot exist here) to show it defers."""
 
 from __future__ import annotations
 
@@ -18,19 +21,12 @@ from plugins.mft_airflow.launchers import local_env
 from plugins.mft_airflow.operators import SparkStageOperator, TrainOperator, train_operator
 from plugins.mft_airflow.plan import load_plan_config, resolve_plan
 from plugins.mft_airflow.settings import load_settings
+from tests.dag_helpers import FakeTI, task_context
+from tests.k8s_validation import job_problems, service_problems
 from tests.test_dag_params import deployment_env
 
 SECRET = "wJalrXUtnFEMI-not-a-real-secret"
 KEY_ID = "AKIAEXAMPLEKEYID"
-
-
-class FakeTI:
-    def __init__(self, plan):
-        self.plan = plan
-
-    def xcom_pull(self, task_ids):
-        assert task_ids == "resolve"
-        return self.plan
 
 
 def rendered(op, plan):
@@ -178,6 +174,163 @@ def test_kubernetes_launcher_renders_an_indexed_multi_pod_job(plan, creds):
     assert SECRET not in spec and KEY_ID not in spec
     svc = op.rendezvous_service()  # headless: <job>-0.<service> is the index-0 pod
     assert svc.spec.cluster_ip == "None" and svc.spec.selector == {"mft-run": "mft-train-r1"}
+    assert svc.metadata.name == pod.subdomain  # the pods' DNS names live under this Service
+    # what an API server would refuse: nothing
+    assert job_problems(job) == [] and service_problems(svc) == []
+
+
+def _k8s_context(plan):
+    """A task context as the Task Runner gives it: the provider labels the pods with the TI's ids."""
+    return {**task_context(plan), "run_id": "scheduled__2026-01-01T02:00:00+00:00", "dag": SimpleNamespace()}
+
+
+def test_kubernetes_job_of_the_default_settings_is_accepted_by_an_api_server(plan):
+    """The defaults (8 GPUs, CPU and memory requests) on a real run's labels: a GPU is an extended
+    resource, so the API server accepts it only with a limit equal to the request."""
+    op = _prepared(_train_op(launcher="kubernetes", s3_secret="mft-s3"), plan)
+    op.__dict__["hook"] = SimpleNamespace(is_in_cluster=False)
+    job = op.build_job_request_obj(context=_k8s_context(plan))
+    [c] = job.spec.template.spec.containers
+    assert c.resources.requests == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "8"}
+    assert c.resources.limits == {"nvidia.com/gpu": "8"}
+    assert job.spec.template.metadata.labels["run_id"]  # the run id as a (normalised) label value
+    assert job_problems(job) == []
+
+
+@pytest.mark.parametrize("breakage, finding", [
+    (lambda j: j["spec"]["template"]["spec"]["containers"][0]["resources"].pop("limits"),
+     "limit must be set for non overcommitable resources"),
+    (lambda j: j["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"].update(
+        {"nvidia.com/gpu": "4"}), "must be equal to nvidia.com/gpu limit"),
+    (lambda j: j["spec"]["template"]["spec"]["containers"][0]["resources"].update(
+        limits={"memory": "1Gi", "nvidia.com/gpu": "8"}), "must be less than or equal to memory limit"),
+    (lambda j: j["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"].update(cpu="eight"),
+     "is not a quantity"),
+    (lambda j: j["spec"]["template"]["spec"]["containers"][0].update(resourceRequests={"cpu": "1"}),
+     "unknown field of V1Container"),
+    (lambda j: j["spec"]["template"]["spec"]["containers"][0].pop("name"), "`name`, must not be `None`"),
+    (lambda j: j["spec"].update(completions="4"), "expected int"),
+    (lambda j: j["spec"]["template"]["spec"]["containers"][0]["volumeMounts"].append(
+        {"name": "scratch", "mountPath": "/scratch"}), "not found among the pod's volumes"),
+    (lambda j: j["spec"]["template"]["spec"].update(restartPolicy="Always"), "must use Never or OnFailure"),
+    (lambda j: j["metadata"].update(name="job-" + "x" * 60), "longer than 63 characters"),
+    (lambda j: j["spec"]["template"]["metadata"]["labels"].update(run="a:b"), "invalid value"),
+])
+def test_the_api_server_checks_catch_what_a_cluster_refuses(plan, breakage, finding):
+    """The checks above can fail: each manifest a real API server would refuse is named."""
+    from tests.k8s_validation import to_json
+
+    op = _prepared(_train_op(launcher="kubernetes", s3_secret="mft-s3", nnodes=2, staging_pvc="pvc",
+                             memory_request="64Gi"), plan)
+    op.__dict__["hook"] = SimpleNamespace(is_in_cluster=False)
+    job = to_json(op.build_job_request_obj(context=_k8s_context(plan)))
+    assert job_problems(job) == []
+    breakage(job)
+    assert any(finding in p for p in job_problems(job)), job_problems(job)
+
+
+class FakeKubernetesApi:
+    """The API calls the Job operator makes, recorded (no cluster exists here). Pods appear only
+    after `pods_after` lists, as the Job controller creates them a moment after the Job."""
+
+    def __init__(self, pods_after: int, n_pods: int):
+        from kubernetes.client import models as k8s
+
+        self.pods_after, self.lists, self.jobs, self.services, self.blocking_waits = pods_after, 0, [], [], []
+        self.pods = [k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=f"job-mft-train-r1-{i}-x{i}", namespace="ml",
+                                                         labels={"try_number": "1"})) for i in range(n_pods)]
+        self.is_in_cluster = False
+        self.core_v1_client = self
+
+    # KubernetesHook
+    def create_job(self, job):
+        self.jobs.append(job)
+        return job
+
+    def wait_until_job_complete(self, **kwargs):
+        self.blocking_waits.append(kwargs)
+        raise AssertionError("the worker must not wait for the Job: it defers to the triggerer")
+
+    def get_pod(self, name, namespace):
+        return next(p for p in self.pods if p.metadata.name == name)
+
+    # BatchV1Api
+    def read_namespaced_job(self, name, namespace):
+        from kubernetes.client.exceptions import ApiException
+
+        raise ApiException(status=404)
+
+    # CoreV1Api
+    def create_namespaced_service(self, namespace, body):
+        self.services.append(body)
+
+    def list_namespaced_pod(self, namespace, label_selector):
+        self.lists += 1
+        return SimpleNamespace(items=self.pods if self.lists > self.pods_after else self.pods[:1])
+
+
+@pytest.fixture
+def local_plan(tmp_path):
+    env = deployment_env({"pipeline.store_uri": uris.qualify(tmp_path / "store"),
+                          "pipeline.staging_uri": uris.qualify(tmp_path / "staging")})
+    return resolve_plan({"dataset_version": "v1", "run_id": "r1"}, dag_id="mistral_finetune",
+                        airflow_run_id="manual__x", run_date=None, env=env)
+
+
+def _kubernetes_op_on(api, plan, **settings):
+    op = rendered(_train_op(launcher="kubernetes", gpus=8, nnodes=2, namespace="ml", staging_pvc="pvc", **settings),
+                  plan)
+    for attr in ("hook", "job_client", "client"):  # the provider's cached API clients
+        op.__dict__[attr] = api
+    op.startup_check_interval_seconds = 0.01
+    return op
+
+
+def test_kubernetes_launcher_defers_so_no_worker_slot_is_held(local_plan, tmp_path, monkeypatch):
+    from airflow.providers.cncf.kubernetes.triggers.job import KubernetesJobTrigger
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from pipeline_core.artifacts import publish_artifact
+
+    api = FakeKubernetesApi(pods_after=5, n_pods=2)  # the provider alone stops after 4 lists
+    op = _kubernetes_op_on(api, local_plan)
+    ctx = _k8s_context(local_plan)
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(ctx)
+    # the worker returned right after creating the Job: the triggerer waits for it
+    [job] = api.jobs
+    assert job_problems(job) == [] and api.blocking_waits == []
+    assert [s.metadata.name for s in api.services] == ["mft-train-r1"]  # the rendezvous Service, before the pods
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, KubernetesJobTrigger) and deferred.value.method_name == "execute_complete"
+    classpath, kwargs = trigger.serialize()  # what the triggerer gets (it must round-trip)
+    assert classpath.endswith("KubernetesJobTrigger") and kwargs["job_name"] == "job-mft-train-r1"
+    # every node's pod is watched, not the one that happened to exist at the first list
+    assert api.lists == 6 and kwargs["pod_names"] == [p.metadata.name for p in api.pods]
+    assert kwargs["job_namespace"] == kwargs["pod_namespace"] == "ml" and kwargs["get_logs"] is True
+
+    # the Job succeeded and the trainer committed the model: the resumed task reports it
+    model = tmp_path / "model"
+    (model / "data").mkdir(parents=True)
+    (model / "data" / "model.safetensors").write_bytes(b"weights")
+    publish_artifact(model, local_plan.model_uri, kind="model", counts={})
+    logged = []
+    monkeypatch.setattr(op, "_write_logs", lambda pod, **kw: logged.append(pod.metadata.name))
+    monkeypatch.setattr(op, "post_complete_action", lambda **kw: None)
+    result = op.execute_complete(ctx, event={"status": "success", "job": job.to_dict(), "message": "done",
+                                             "pod_names": kwargs["pod_names"], "pod_namespace": "ml"})
+    assert result["uri"] == local_plan.model_uri and result["reused"] is False
+    assert logged == kwargs["pod_names"]  # each node's log lands in the task log
+
+
+def test_kubernetes_launcher_fails_when_the_pods_never_appear(local_plan):
+    from airflow.sdk.exceptions import AirflowException
+
+    api = FakeKubernetesApi(pods_after=10**9, n_pods=2)
+    op = _kubernetes_op_on(api, local_plan)
+    op.schedule_timeout_seconds = 0.2
+    with pytest.raises(AirflowException, match="1 of 2 pods created within"):
+        op.execute(_k8s_context(local_plan))
 
 
 def test_kubernetes_launcher_refuses_credentials_it_cannot_pass_safely(plan):
@@ -192,6 +345,62 @@ def test_multi_node_settings_are_refused_without_a_rendezvous():
         load_settings(env={}, nnodes=2)
     with pytest.raises(ValueError, match="node_rank=2 must be < nnodes=2"):
         load_settings(env={}, nnodes=2, node_rank=2, rdzv_endpoint="h:1")
+
+
+def test_a_hub_model_prefetched_on_the_worker_resolves_in_the_offline_container(plan, monkeypatch, tmp_path):
+    """Containers run with HF_HUB_OFFLINE=1: the worker fills the hub cache on the shared staging
+    volume, and the trainer's own resolve finds it there, offline, through the container's HF_HOME.
+    The download is the one stand-in (no hub here): it writes the hub cache layout, as the real one
+    does."""
+    import logging
+    import subprocess
+
+    import huggingface_hub
+
+    from plugins.mft_airflow.container_operators import prefetch_base_model
+    from plugins.mft_airflow.launchers import hub_cache_env
+
+    fetched = []
+
+    def download(repo_id, cache_dir, allow_patterns):
+        fetched.append((repo_id, allow_patterns))
+        repo = Path(cache_dir) / f"models--{repo_id.replace('/', '--')}"
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text("0" * 40)
+        (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+        (repo / "snapshots" / ("0" * 40) / "config.json").write_text("{}")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    op = _prepared(_train_op(launcher="docker", gpus=1), plan)
+    cfg = load_plan_config(plan).model_copy(deep=True)
+    cfg.train.base_model = "mistralai/Mistral-7B-v0.3"
+    prefetch_base_model(cfg, logging.getLogger("t"))
+    assert [r for r, _ in fetched] == ["mistralai/Mistral-7B-v0.3"] and "*.safetensors" in fetched[0][1]
+    env = {**os.environ, "HF_HOME": op.environment["HF_HOME"], "HF_HUB_OFFLINE": "1"}
+    assert env["HF_HOME"] == hub_cache_env(cfg)["HF_HOME"]
+    found = subprocess.run([sys.executable, "-c", "from training.weights import resolve_model_dir; "
+                            "print(resolve_model_dir('mistralai/Mistral-7B-v0.3'))"],
+                           env=env, capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0, found.stderr[-3000:]
+    assert Path(found.stdout.strip(), "config.json").is_file()
+    assert Path(found.stdout.strip()).is_relative_to(env["HF_HOME"])
+    # a local directory or the embedded tiny model needs nothing fetched
+    cfg.train.base_model = "tiny"
+    prefetch_base_model(cfg, logging.getLogger("t"))
+    assert len(fetched) == 1
+
+
+def test_kubernetes_resources_from_the_environment_are_quantities():
+    """`MFT_DEPLOY__CPU_REQUEST=8` is YAML's int 8: it must still be the quantity "8"; a value the API
+    server would refuse is refused here, before any run, naming the variable."""
+    s = load_settings(env={"MFT_DEPLOY__CPU_REQUEST": "8", "MFT_DEPLOY__MEMORY_REQUEST": "64Gi",
+                           "MFT_DEPLOY__MEMORY_LIMIT": "96Gi"})
+    assert (s.cpu_request, s.memory_request, s.memory_limit) == ("8", "64Gi", "96Gi")
+    assert load_settings(env={"MFT_DEPLOY__CPU_REQUEST": "0.5"}).cpu_request == "0.5"
+    with pytest.raises(ValueError, match="MFT_DEPLOY__CPU_REQUEST: .*'eight' is not a Kubernetes quantity"):
+        load_settings(env={"MFT_DEPLOY__CPU_REQUEST": "eight"})
+    with pytest.raises(ValueError, match="memory_limit=32Gi is below memory_request=64Gi"):
+        load_settings(env={"MFT_DEPLOY__MEMORY_LIMIT": "32Gi"})
 
 
 def test_local_launcher_runs_torchrun_from_the_workers_interpreter(plan):

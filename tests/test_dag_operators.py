@@ -20,30 +20,8 @@ from plugins.mft_airflow.operators import SparkStageOperator, TrainOperator
 from plugins.mft_airflow.plan import resolve_plan
 from plugins.mft_airflow.settings import load_settings
 from plugins.mft_airflow.summary import format_summary, latest_summary, publish_model
+from tests.dag_helpers import task_context
 from tests.test_dag_params import deployment_env
-
-
-class FakeTI:
-    def __init__(self, plan):
-        self.plan = plan
-
-    def xcom_pull(self, task_ids):
-        assert task_ids == "resolve"
-        return self.plan
-
-
-class FakeOutletEvents(dict):
-    def __missing__(self, key):
-        self[key] = FakeAccessor()
-        return self[key]
-
-
-class FakeAccessor:
-    def __init__(self):
-        self.added = []
-
-    def add(self, asset, extra=None):
-        self.added.append((asset, extra))
 
 
 @pytest.fixture
@@ -61,10 +39,6 @@ def _commit(tmp_path, uri, kind, files: dict[str, bytes], counts=None, inputs=()
     return publish_artifact(d, uri, kind=kind, counts=counts or {}, inputs=list(inputs), extra=extra)
 
 
-def _ctx(plan):
-    return {"ti": FakeTI(plan), "outlet_events": FakeOutletEvents()}
-
-
 def _enrich_op():
     return SparkStageOperator(task_id="enrich", stage="enrich", application="enrich.py", input_field="source_uri",
                               output_field="enriched_uri", settings=load_settings(env={}),
@@ -76,7 +50,7 @@ def test_committed_artifact_is_reused_without_spark(plan, tmp_path, monkeypatch)
     _commit(tmp_path, plan.enriched_uri, "enriched", {"data/part-0.parquet": b"x"}, counts)
     op = _enrich_op()
     monkeypatch.setattr(SparkSubmitOperator, "execute", lambda self, ctx: pytest.fail("spark-submit must not run"))
-    ctx = _ctx(plan)
+    ctx = task_context(plan)
     result = op.execute(ctx)
     assert result["reused"] is True and result["counts"] == counts
     [(asset, extra)] = ctx["outlet_events"][AssetAlias("mistral_finetune/enriched")].added
@@ -101,16 +75,16 @@ def test_spark_stage_is_the_providers_operator_and_runs_its_execute(plan, tmp_pa
         _commit(tmp_path, plan.enriched_uri, "enriched", {"data/p.parquet": b"y"}, {"in": 1, "out": 1})
 
     monkeypatch.setattr(SparkSubmitOperator, "execute", fake_submit)
-    result = op.execute(_ctx(plan))
+    result = op.execute(task_context(plan))
     assert calls == [op] and result["reused"] is False and result["counts"]["out"] == 1
 
 
 def test_stage_not_selected_is_skipped(plan):
     with pytest.raises(AirflowSkipException):
-        _enrich_op().execute(_ctx(plan.model_copy(update={"stages": ("filter", "train")})))
+        _enrich_op().execute(task_context(plan.model_copy(update={"stages": ("filter", "train")})))
     with pytest.raises(AirflowSkipException):
         TrainOperator(task_id="train", settings=load_settings(env={})).execute(
-            _ctx(plan.model_copy(update={"stages": ("enrich",)})))
+            task_context(plan.model_copy(update={"stages": ("enrich",)})))
 
 
 def test_a_run_id_is_not_reused_for_other_data(plan, tmp_path):
@@ -119,12 +93,12 @@ def test_a_run_id_is_not_reused_for_other_data(plan, tmp_path):
     _commit(tmp_path, plan.model_uri, "model", {"data/model.safetensors": b"m"}, inputs=[other])
     op = TrainOperator(task_id="train", settings=load_settings(env={}))
     with pytest.raises(AirflowFailException, match="run_id: run r1 already has a model trained on"):
-        op.execute(_ctx(plan))
+        op.execute(task_context(plan))
     # the same data: the committed model is the answer, nothing is launched
     _commit(tmp_path, plan.train_ready_uri, "train-ready", {"data/train/p.parquet": b"t2"})
     plan2 = plan.model_copy(update={"model_uri": uris.join(plan.store_uri, "runs", "r2", "model")})
     _commit(tmp_path, plan2.model_uri, "model", {"data/model.safetensors": b"m2"}, inputs=[plan.train_ready_uri])
-    assert op.execute(_ctx(plan2))["reused"] is True
+    assert op.execute(task_context(plan2))["reused"] is True
 
 
 def test_publish_reports_losses_and_moves_latest_last(plan, tmp_path):

@@ -38,10 +38,11 @@ def prefetch_base_model(cfg: Any, log: Any) -> None:
         return
     from huggingface_hub import snapshot_download
 
+    from training.weights import _DOWNLOAD_PATTERNS  # the files the trainer's own resolve reads
+
     cache = launchers.hub_cache_env(cfg)["HF_HOME"]
     log.info("prefetching %s into %s (containers run with HF_HUB_OFFLINE=1)", base, cache)
-    snapshot_download(repo_id=base, cache_dir=str(Path(cache) / "hub"),
-                      allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"])
+    snapshot_download(repo_id=base, cache_dir=str(Path(cache) / "hub"), allow_patterns=_DOWNLOAD_PATTERNS)
 
 
 # ----------------------------------------------------------------------------------------- docker
@@ -201,6 +202,10 @@ class KubernetesTrainOperator(_TrainStage, KubernetesJobOperator):
             get_logs=True,
             on_finish_action="delete_succeeded_pod",
             startup_timeout_seconds=1800,
+            # how long the Job controller may take to create the pods (they exist, Pending, even
+            # when no node fits yet); the wait for them to run and finish happens in the triggerer
+            schedule_timeout_seconds=300,
+            startup_check_interval_seconds=2,
             **kwargs,
         )
         self.settings = settings
@@ -266,6 +271,30 @@ class KubernetesTrainOperator(_TrainStage, KubernetesJobOperator):
                 if e.status != 409:  # already there from a previous attempt
                     raise
         return super().create_job(job_request_obj)
+
+    def get_pods(self, pod_request_obj: Any, context: Any, *, exclude_checked: bool = True) -> Any:
+        """All `parallelism` pods of the Job, waited for: the provider lists them a few times back
+        to back and fails with "No pods running" (or defers on a partial list) when the Job
+        controller has not created them yet, while the Job runs on unmonitored
+        (apache/airflow#70585). Polls every `startup_check_interval_seconds` up to
+        `schedule_timeout_seconds`; only pod creation is waited for here, not scheduling."""
+        import time
+
+        selector = self._build_find_pod_label_selector(context, exclude_checked=exclude_checked)
+        namespace = pod_request_obj.metadata.namespace
+        deadline = time.monotonic() + self.schedule_timeout_seconds
+        while True:
+            pods = self.client.list_namespaced_pod(namespace=namespace, label_selector=selector).items
+            if len(pods) >= self.parallelism:
+                for pod in pods:
+                    self.log_matching_pod(pod=pod, context=context)
+                return pods
+            if time.monotonic() >= deadline:
+                raise AirflowException(
+                    f"Job {namespace}/{self.job.metadata.name}: {len(pods)} of {self.parallelism} pods created within "
+                    f"{self.schedule_timeout_seconds}s (pods with labels {selector}); a quota or admission controller "
+                    "may be holding them back: see `kubectl describe job`")
+            time.sleep(self.startup_check_interval_seconds)
 
     def _wait_deleted(self, name: str, ns: str, timeout_s: float = 300) -> None:
         import time

@@ -61,9 +61,16 @@ class DataReportOperator(BaseOperator):
         if not plan.runs("filter") and read_manifest(plan.train_ready_uri, storage) is None:
             raise AirflowSkipException(f"no train-ready artifact at {plan.train_ready_uri} to report on")
         m = build(plan.train_ready_uri, storage=storage)
+        self._lineage = ([plan.train_ready_uri], [(m.uri, m)])
         out = {"uri": m.uri, "page": report_page_uri(m.uri), "headline": m.extra.get("headline")}
         self.log.info("data report: %s", out["page"])
         return out
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
+        """Input: the train-ready artifact; output: the committed report (issue 19: every operator)."""
+        from plugins.mft_airflow.lineage import lineage
+
+        return lineage(*self._lineage) if getattr(self, "_lineage", None) else None
 
 
 def gate_text(plan: RunPlan, report: dict[str, Any] | None) -> tuple[str, str]:

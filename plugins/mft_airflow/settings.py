@@ -9,17 +9,48 @@ parsed as YAML). Reading the environment is cheap, so the DAG file can do it at 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from datetime import date, datetime
-from typing import Any, Literal
+from decimal import Decimal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline_core.config import PROJECT_ROOT
 
 ENV_PREFIX = "MFT_DEPLOY__"
 Launcher = Literal["local", "docker", "kubernetes"]
+
+# A Kubernetes resource quantity ("8", "0.5", "500m", "64Gi", "1e3"), as the API server parses it
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][-+]?[0-9]+)?$")
+_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "n": Decimal("1e-9"),
+           "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+           "E": 10**18, None: 1}
+
+
+def quantity_value(q: str) -> Decimal:
+    """The number a Kubernetes quantity stands for (bytes, cores)."""
+    m = _QUANTITY.match(q)
+    if m is None:
+        raise ValueError(f"{q!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)")
+    number, suffix = Decimal(m.group(1)), m.group(2)
+    if suffix and suffix[0] in "eE" and len(suffix) > 1:
+        return number * Decimal(10) ** int(suffix[1:])
+    return number * Decimal(_SUFFIX[suffix])
+
+
+def _as_quantity(v: Any) -> Any:
+    """`MFT_DEPLOY__CPU_REQUEST=8` arrives as YAML's int 8: a quantity is its text."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        v = str(v)
+    if isinstance(v, str):
+        quantity_value(v)
+    return v
+
+
+Quantity = Annotated[str, BeforeValidator(_as_quantity)]
 
 
 class DeploySettings(BaseModel):
@@ -72,9 +103,9 @@ class DeploySettings(BaseModel):
     )
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    cpu_request: str | None = Field("8", description="CPU request per training pod (kubernetes)")
-    memory_request: str | None = Field("64Gi", description="Memory request per training pod (kubernetes)")
-    memory_limit: str | None = Field(None, description="Memory limit per training pod (kubernetes); None = none")
+    cpu_request: Quantity | None = Field("8", description="CPU request per training pod (kubernetes)")
+    memory_request: Quantity | None = Field("64Gi", description="Memory request per training pod (kubernetes)")
+    memory_limit: Quantity | None = Field(None, description="Memory limit per training pod (kubernetes); None = none")
 
     # --- several nodes (one torchrun agent per node, a shared c10d rendezvous)
     nnodes: int = Field(1, ge=1, le=4096, description="Training nodes; kubernetes: pods of the indexed Job")
@@ -98,6 +129,11 @@ class DeploySettings(BaseModel):
         if self.nnodes > 1 and self.launcher != "kubernetes" and not (self.rdzv_endpoint or self.hostfile):
             raise ValueError(f"nnodes={self.nnodes} with the {self.launcher} launcher needs rdzv_endpoint (host:port "
                              "of the rendezvous, one agent per node) or hostfile (DeepSpeed launcher over SSH)")
+        if self.memory_limit and self.memory_request and \
+                quantity_value(self.memory_limit) < quantity_value(self.memory_request):
+            # the API server refuses such a pod ("must be less than or equal to memory limit")
+            raise ValueError(f"memory_limit={self.memory_limit} is below memory_request={self.memory_request}: raise "
+                             "MFT_DEPLOY__MEMORY_LIMIT or unset it")
         if self.hostfile and self.launcher != "local":
             raise ValueError("hostfile: only the local launcher starts nodes over SSH; containers use a rendezvous")
         return self
