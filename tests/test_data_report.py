@@ -81,6 +81,23 @@ def test_page_renders_in_chromium_and_matches_the_manifests(sample, tmp_path):
     assert trained and all(t.strip() for t in trained)  # the answer is highlighted as trained text
 
 
+def test_run_summary_links_the_committed_page(sample):
+    """What `make demo`'s summary and the publish task print: the page that exists (payload prefix)."""
+    from plugins.mft_airflow.run_plan import RunPlan
+    from plugins.mft_airflow.summary import data_report_link
+
+    art, m = sample
+    store = art.cfg.pipeline.store_uri
+    plan = RunPlan(config_file="/unused.yaml", dataset_version="sample", run_id="r", source_uri=store,
+                   store_uri=store, enriched_uri=art.enriched_uri, train_ready_uri=art.train_ready_uri,
+                   run_uri=uris.join(store, "runs", "r"), model_uri=uris.join(store, "runs", "r", "model"),
+                   models_uri=uris.join(store, "models"), trainer_name="t")
+    link = data_report_link(plan, None)
+    assert link == report_page_uri(m) and uris.to_local_path(link).is_file()
+    other = plan.model_copy(update={"train_ready_uri": uris.join(store, "datasets", "sample", "train", "none")})
+    assert data_report_link(other, None) is None
+
+
 def test_loss_mask_spans_decode_exactly():
     """A two-turn conversation rendered by the filter's own tokenizer: the report's runs alternate
     prompt / answer, decode to exactly the document, and each trained run is an answer."""
