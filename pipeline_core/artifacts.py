@@ -65,6 +65,15 @@ class ArtifactNotFound(ArtifactError, FileNotFoundError):
     """No committed artifact (no manifest) at this URI."""
 
 
+@dataclass(frozen=True)
+class InputRef:
+    """One entry of a manifest's `inputs`: an artifact it was made from, and which commit of it."""
+
+    uri: str
+    manifest_sha256: str
+    kind: str | None = None  # not recorded by manifests written before kinds were
+
+
 @dataclass
 class Manifest:
     uri: str
@@ -98,6 +107,16 @@ class Manifest:
         for f in m.files:
             safe_relpath(f["path"], "manifest file path")
         return m
+
+    def input_refs(self) -> list[InputRef]:
+        """`inputs` typed (readers compare or pick inputs through this, not by dict keys)."""
+        try:
+            return [InputRef(str(i["uri"]), str(i["manifest_sha256"]), i.get("kind")) for i in self.inputs]
+        except (KeyError, TypeError, AttributeError) as e:
+            raise CorruptArtifact(f"{self.uri}: an entry of the manifest's inputs lacks {e}") from None
+
+    def input_of_kind(self, kind: str) -> InputRef | None:
+        return next((i for i in self.input_refs() if i.kind == kind), None)
 
     def file_paths(self, prefix: str = "") -> list[str]:
         return [f["path"] for f in self.files if f["path"].startswith(prefix)]

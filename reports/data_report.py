@@ -25,6 +25,7 @@ from pipeline_core import uris
 from pipeline_core.artifacts import (
     Manifest,
     fetch_artifact,
+    file_uri,
     publish_artifact,
     read_manifest,
     require_manifest,
@@ -64,8 +65,9 @@ def report_uri(train_ready_uri: str) -> str:
     return uris.join(uris.parent(uris.parent(train_ready_uri)), "report", uris.name(train_ready_uri))
 
 
-def report_page_uri(uri: str) -> str:
-    return uris.join(uri, PAGE)
+def report_page_uri(manifest: Manifest) -> str:
+    """The committed page's URI: the payload lies under the writing attempt's prefix (manifest v2)."""
+    return file_uri(manifest.uri, manifest, PAGE)
 
 
 def _local(uri: str, tmp: Path, name: str, storage: StorageSection | None, prefix: str) -> Path:
@@ -84,7 +86,8 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
     from spark_jobs.chat_format import load_tokenizer
 
     tr = require_manifest(train_ready_uri, storage, kind="train-ready")
-    enriched_uri = (enriched_uri or next((i["uri"] for i in tr.inputs if i.get("kind") == "enriched"), None))
+    named = tr.input_of_kind("enriched")
+    enriched_uri = enriched_uri or (named.uri if named else None)
     if enriched_uri is None:
         raise ValueError(f"--enriched: {train_ready_uri}'s manifest names no enriched input; pass --enriched URI")
     en = require_manifest(enriched_uri, storage, kind="enriched")
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config)
     m = build(args.input, args.output, args.enriched, cfg.storage)
-    print(json.dumps({"uri": m.uri, "page": report_page_uri(m.uri), "headline": m.extra.get("headline")}))
+    print(json.dumps({"uri": m.uri, "page": report_page_uri(m), "headline": m.extra.get("headline")}))
     return 0
 
 

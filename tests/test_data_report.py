@@ -10,13 +10,10 @@ import pytest
 from pipeline_core import uris
 from pipeline_core.artifacts import read_manifest, verify_artifact
 from pipeline_core.handoffs import TrainReadyInfo
-from reports.data_report import KIND, PAGE, build, report_uri
+from reports.data_report import KIND, PAGE, build, report_page_uri, report_uri
 from reports.facts import mask_spans, near_duplicate_of, train_ready_info
 from tests.browser import browser_page, keep_screenshot
 from tests.report_helpers import build_sample
-
-# Some of these failed after the session-2 merge (sample-pipeline similarities, see the closing note); not yet diagnosed.
-pytestmark = pytest.mark.xfail(strict=False, reason="failed after the session-2 merge, not yet diagnosed (closing note)")
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -38,7 +35,9 @@ def test_report_artifact_has_its_pictures_and_numbers(sample):
     assert sorted(charts) == [f"data/charts/{n}.png" for n in
                               sorted(("rejects", "similarity", "near_duplicates", "document_lengths", "tokens"))]
     root = uris.to_local_path(m.uri)
-    assert all((root / c).read_bytes().startswith(PNG) and (root / c).stat().st_size > 5000 for c in charts)
+    pngs = [root / m.object_path(c) for c in charts]  # under the writing attempt's payload prefix
+    assert all(p.read_bytes().startswith(PNG) and p.stat().st_size > 5000 for p in pngs)
+    assert report_page_uri(m) == uris.join(m.uri, m.payload, PAGE) and m.extra["page"] == PAGE
     tr, en = read_manifest(art.train_ready_uri), read_manifest(art.enriched_uri)
     h = m.extra["headline"]
     assert h["records_in"] == en.counts["in"] == 300 and h["enriched"] == en.counts["out"]
@@ -54,7 +53,7 @@ def test_report_artifact_has_its_pictures_and_numbers(sample):
 def test_page_renders_in_chromium_and_matches_the_manifests(sample, tmp_path):
     art, m = sample
     tr, en = read_manifest(art.train_ready_uri), read_manifest(art.enriched_uri)
-    page_uri = uris.join(m.uri, PAGE)
+    page_uri = report_page_uri(m)
     requests: list[str] = []
     with browser_page() as page:
         page.on("request", lambda r: requests.append(r.url))
@@ -82,17 +81,38 @@ def test_page_renders_in_chromium_and_matches_the_manifests(sample, tmp_path):
     assert trained and all(t.strip() for t in trained)  # the answer is highlighted as trained text
 
 
+def test_run_summary_links_the_committed_page(sample):
+    """What `make demo`'s summary and the publish task print: the page that exists (payload prefix)."""
+    from plugins.mft_airflow.run_plan import RunPlan
+    from plugins.mft_airflow.summary import data_report_link
+
+    art, m = sample
+    store = art.cfg.pipeline.store_uri
+    plan = RunPlan(config_file="/unused.yaml", dataset_version="sample", run_id="r", source_uri=store,
+                   store_uri=store, enriched_uri=art.enriched_uri, train_ready_uri=art.train_ready_uri,
+                   run_uri=uris.join(store, "runs", "r"), model_uri=uris.join(store, "runs", "r", "model"),
+                   models_uri=uris.join(store, "models"), trainer_name="t")
+    link = data_report_link(plan, None)
+    assert link == report_page_uri(m) and uris.to_local_path(link).is_file()
+    other = plan.model_copy(update={"train_ready_uri": uris.join(store, "datasets", "sample", "train", "none")})
+    assert data_report_link(other, None) is None
+
+
 def test_loss_mask_spans_decode_exactly():
+    """A two-turn conversation rendered by the filter's own tokenizer: the report's runs alternate
+    prompt / answer, decode to exactly the document, and each trained run is an answer."""
     from spark_jobs.chat_format import load_tokenizer
+    from spark_jobs.conversation import Conversation, Turn
 
     tok = load_tokenizer("mistral-v1")
-    prompt, completion = tok.encode("What is 2 + 2?", "It is 4.")
-    ids = prompt + completion
-    labels = [-100] * len(prompt) + completion
-    spans = mask_spans(ids, labels, tok.decode)
-    assert [s.trained for s in spans] == [False, True]
-    assert "".join(s.text for s in spans) == tok.decode(ids)
-    assert spans[1].text.strip().startswith("It is 4.")
+    conv = Conversation(None, (Turn("user", "What is 2 + 2?"), Turn("assistant", "It is 4."),
+                               Turn("user", "And 3 + 3?"), Turn("assistant", "It is 6.")))
+    r = tok.render(conv)
+    labels = [i if t else -100 for i, t in zip(r.input_ids, r.targets, strict=True)]
+    spans = mask_spans(r.input_ids, labels, tok.decode)
+    assert [s.trained for s in spans] == [False, True, False, True]
+    assert "".join(s.text for s in spans) == tok.decode(r.input_ids)
+    assert [s.text.strip() for s in spans if s.trained] == ["It is 4.", "It is 6."]
 
 
 def test_near_duplicate_partner_is_read_from_typed_fields_or_the_detail():

@@ -10,17 +10,16 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
-import pytest
 
 from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact, read_manifest
 from pipeline_core.config import load_config
+from pipeline_core.handoffs import TrainReadyInfo
 from tests.filter_helpers import FILTER_SETTINGS, KEEP, NEAR, crafted_table, publish_enriched
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.xfail(strict=False, reason="failed after the session-2 merge, not yet diagnosed (closing note)")
 def test_spark_submit_filters_s3_enriched_artifact_into_train_ready_shards(s3_server, tmp_path):
     bucket = f"s3://{s3_server.new_bucket()}"
     in_uri = uris.join(bucket, "datasets", "t", "enriched", "e1")
@@ -48,11 +47,12 @@ def test_spark_submit_filters_s3_enriched_artifact_into_train_ready_shards(s3_se
     manifest = read_manifest(out_uri, s3_server.storage)
     assert manifest is not None and manifest.kind == "train-ready"
     assert manifest.counts["rejected"]["near_duplicate"] == len(NEAR)
-    assert manifest.extra["tokenizer"]["spec"] == "mistral-v1"
+    info = TrainReadyInfo.from_manifest(manifest)  # the typed hand-off the trainer reads
+    assert info.tokenizer.name == "mistral-v1" and info.seq_len == cfg.filter.seq_len
     local = tmp_path / "fetched"
     fetch_artifact(out_uri, local, s3_server.storage)  # every file verified against the manifest's sha256
     rows = pq.read_table(local / "data" / "train").num_rows + pq.read_table(local / "data" / "val").num_rows
-    assert rows == sum(s["rows"] for s in manifest.extra["splits"].values()) > 0
+    assert rows == sum(info.sequences.values()) > 0
     assert sorted(f["path"] for f in manifest.files if f["path"].startswith("data/")) == [
-        "data/train/part-00000.parquet", "data/val/part-00000.parquet"]
+        "data/train/part-00000-c000.parquet", "data/val/part-00000-c000.parquet"]  # common.tidy_parts names
     assert not (tmp_path / "staging" / "filter").exists() or not any((tmp_path / "staging" / "filter").iterdir())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from plugins.mft_airflow.gates import approval_record, gate_text
+from plugins.mft_airflow.gates import NOTE_MAX_CHARS, approval_record, gate_text, run_note
 from plugins.mft_airflow.run_plan import RunPlan
 
 PLAN = RunPlan(config_file="/tmp/cfg.yaml", dataset_version="20260101", run_id="r1", source_uri="s3://b/src",
@@ -33,3 +33,13 @@ def test_decision_record_keeps_who_when_and_why():
     assert rec["decision"] == "rejected" and rec["reason"] == "too many dups"
     assert rec["by"] == {"id": "u1", "name": "ana"} and rec["at"] == at.isoformat()
     assert approval_record(PLAN, {"params_input": {"reason": {"value": "ok"}}}, approved=True)["reason"] == "ok"
+
+
+def test_run_note_links_the_report_keeps_a_written_note_and_is_not_repeated():
+    note = run_note(None, REPORT)
+    assert f"[{REPORT['page']}]({REPORT['page']})" in note and "300 records → 286 enriched → 253 kept" in note
+    assert "train 11,937" in note and "packing 97.0%" in note
+    kept = run_note("checked by ana", REPORT)
+    assert kept.startswith("checked by ana\n\n") and kept.endswith(note)
+    assert run_note(kept, REPORT) is None  # a retry of data_report adds nothing
+    assert len(run_note("x" * NOTE_MAX_CHARS, REPORT)) <= NOTE_MAX_CHARS  # the API refuses longer notes

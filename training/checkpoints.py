@@ -202,7 +202,7 @@ class ResumeContract:
         theirs = layout.train_content_settings((manifest.config or {}).get("train") or {})
         diffs = [f"train.{k}: checkpoint {theirs.get(k)!r}, this run {self.train.get(k)!r}"
                  for k in sorted(set(theirs) | set(self.train)) if theirs.get(k) != self.train.get(k)]
-        ckpt_inputs = [{"uri": i.get("uri"), "manifest_sha256": i.get("manifest_sha256")} for i in manifest.inputs]
+        ckpt_inputs = [{"uri": i.uri, "manifest_sha256": i.manifest_sha256} for i in manifest.input_refs()]
         if ckpt_inputs != self.inputs:
             diffs.append(f"input: checkpoint trained on {_describe(ckpt_inputs)}, this run on {_describe(self.inputs)}")
         return diffs

@@ -2,7 +2,12 @@
 
 `DataReportOperator` runs the report stage (`reports.data_report.build`) in the worker: it reads
 committed artifacts only and commits `datasets/<version>/report/<id>/`; its XCom (and the task's
-"Data report" extra link) name the page.
+"Data report" extra link) name the page, and so does the DAG run's note. The Task SDK (Execution
+API) can set a note only on a run it triggers, not on its own, so the note goes through the public
+REST API (`PATCH /api/v2/dags/<dag>/dagRuns/<run>?update_mask=note`) with the deployment's HTTP
+connection `mft_airflow_api` (host = the API server's base URL; login/password of a user allowed to
+edit runs, none with the simple auth manager's all-admins mode). Without that connection the note
+is left alone and the task says so: the link is in XCom and the approval request all the same.
 
 `ApprovalGateOperator` is Airflow's own `ApprovalOperator` (standard provider, HITL, 3.1+), on only
 when `release.require_approval` is set (the `require_approval` param; off by default, so scheduled
@@ -27,6 +32,9 @@ from plugins.mft_airflow.run_plan import RunPlan
 APPROVAL_RECORD = "approval.json"
 REASON = "reason"
 REPORT_TASK_ID = "data_report"
+API_CONN_ID = "mft_airflow_api"
+NOTE_MARK = "**Data report**"
+NOTE_MAX_CHARS = 1000  # Airflow's dag_run_note.content is String(1000); the API refuses longer notes
 
 
 def _plan(context: Any) -> RunPlan:
@@ -46,10 +54,15 @@ class DataReportLink(BaseOperatorLink):
 
 
 class DataReportOperator(BaseOperator):
-    """Commit the data report of the run's train-ready artifact (nothing to do when committed)."""
+    """Commit the data report of the run's train-ready artifact (nothing to do when committed) and
+    link it from the DAG run's note."""
 
     ui_color = "#fff7e0"
     operator_extra_links = (DataReportLink(),)
+
+    def __init__(self, *, api_conn_id: str = API_CONN_ID, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.api_conn_id = api_conn_id
 
     def execute(self, context: Any) -> dict[str, Any]:
         from pipeline_core.artifacts import read_manifest
@@ -62,8 +75,12 @@ class DataReportOperator(BaseOperator):
             raise AirflowSkipException(f"no train-ready artifact at {plan.train_ready_uri} to report on")
         m = build(plan.train_ready_uri, storage=storage)
         self._lineage = ([plan.train_ready_uri], [(m.uri, m)])
-        out = {"uri": m.uri, "page": report_page_uri(m.uri), "headline": m.extra.get("headline")}
+        out = {"uri": m.uri, "page": report_page_uri(m), "headline": m.extra.get("headline")}
         self.log.info("data report: %s", out["page"])
+        dag_run = context["dag_run"]
+        note = run_note(getattr(dag_run, "note", None), out)
+        if note is not None:
+            set_run_note(self.api_conn_id, dag_run.dag_id, dag_run.run_id, note, self.log)
         return out
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
@@ -71,6 +88,52 @@ class DataReportOperator(BaseOperator):
         from plugins.mft_airflow.lineage import lineage
 
         return lineage(*self._lineage) if getattr(self, "_lineage", None) else None
+
+
+def run_note(current: str | None, report: dict[str, Any]) -> str | None:
+    """The run's note with the report's link and headline appended; None when it already has them
+    (a retry) -- a note a person wrote stays, above."""
+    if current and report["page"] in current:
+        return None
+    h = report.get("headline") or {}
+    eff = h.get("packing_efficiency")
+    line = (f"{NOTE_MARK}: [{report['page']}]({report['page']})  \n"
+            f"{h.get('records_in')} records → {h.get('enriched')} enriched → {h.get('kept')} kept; "
+            f"tokens {', '.join(f'{k} {v:,}' for k, v in sorted((h.get('tokens') or {}).items()))}"
+            + (f"; packing {eff:.1%}" if isinstance(eff, float) else ""))
+    both = f"{current.rstrip()}\n\n{line}" if current else line
+    return both if len(both) <= NOTE_MAX_CHARS else line[:NOTE_MAX_CHARS]
+
+
+def set_run_note(conn_id: str, dag_id: str, run_id: str, note: str, log: Any) -> bool:
+    """PATCH the run's note through the public REST API; a missing connection or a refusal is
+    logged, never fatal (the note is a convenience, the report is committed either way)."""
+    import requests
+    from airflow.sdk import BaseHook
+    from airflow.sdk.exceptions import AirflowNotFoundException
+
+    try:
+        conn = BaseHook.get_connection(conn_id)
+    except AirflowNotFoundException:
+        log.info("no connection %r: the DAG run's note is not set (the report's link is in XCom)", conn_id)
+        return False
+    host = (conn.host or "").rstrip("/")
+    base = host if "://" in host else f"{conn.schema or 'http'}://{host}" + (f":{conn.port}" if conn.port else "")
+    try:
+        if conn.login:
+            r = requests.post(f"{base}/auth/token", json={"username": conn.login, "password": conn.password}, timeout=30)
+        else:  # the simple auth manager's all-admins mode (development)
+            r = requests.get(f"{base}/auth/token", timeout=30)
+        r.raise_for_status()
+        r = requests.patch(f"{base}/api/v2/dags/{dag_id}/dagRuns/{run_id}", params={"update_mask": "note"},
+                           json={"note": note}, timeout=30,
+                           headers={"Authorization": f"Bearer {r.json()['access_token']}"})
+        r.raise_for_status()
+    except (requests.RequestException, KeyError, ValueError) as e:
+        log.warning("the DAG run's note is not set: %s via connection %r refused or failed: %s", base, conn_id, e)
+        return False
+    log.info("DAG run note links the data report")
+    return True
 
 
 def gate_text(plan: RunPlan, report: dict[str, Any] | None) -> tuple[str, str]:

@@ -95,8 +95,8 @@ def data_report_link(plan: RunPlan, storage: StorageSection | None) -> str | Non
     """The committed data report's page for this run's train-ready artifact, if there is one."""
     from reports.data_report import report_page_uri, report_uri
 
-    uri = report_uri(plan.train_ready_uri)
-    return report_page_uri(uri) if read_manifest(uri, storage) is not None else None
+    m = read_manifest(report_uri(plan.train_ready_uri), storage)
+    return report_page_uri(m) if m is not None else None
 
 
 def latest_summary(store_uri: str, storage: StorageSection | None) -> dict[str, Any]:
