@@ -45,7 +45,7 @@ from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo  # noqa: E402
 from training import checkpoints as ckpt  # noqa: E402
 from training.data import COLUMNS, MicroBatches, ShardSet, columns_for, split_files  # noqa: E402
 from training.flops import ModelShape, flops_per_token  # noqa: E402
-from training.kernels import apply_fast_kernels, register_attention  # noqa: E402
+from training.kernels import apply_fast_kernels, compile_decoder_layers, register_attention  # noqa: E402
 from training.lease import RunLease, attempt_id  # noqa: E402
 from training.loss import StepBatches, TokenMeanLoss  # noqa: E402
 from training.metrics import MetricsLog, peak_tflops, write_report  # noqa: E402
@@ -350,9 +350,11 @@ class Trainer:
         # Long transfers wait on this CPU group, whose timeout is sized to them; the NCCL group
         # keeps its short timeout for compute collectives.
         self.io_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=t.io_timeout_s))
-        log.info("settings: precision=%s attention_backend=%s fast_kernels=%s grad_accum_dtype=%s device=%s",
+        log.info("settings: precision=%s attention_backend=%s fast_kernels=%s grad_accum_dtype=%s device=%s "
+                 "compile_layers=%s sync_free_attention=%s pin_memory=%s async_checkpoint=%s",
                  self.settings.precision, self.settings.attention_backend, self.settings.fast_kernels,
-                 t.grad_accum_dtype if self.settings.bf16 else "fp32", device)
+                 t.grad_accum_dtype if self.settings.bf16 else "fp32", device, t.compile_layers,
+                 t.sync_free_attention, t.pin_memory, t.async_checkpoint)
         torch.manual_seed(t.seed)
         np.random.seed(t.seed)
         random.seed(t.seed)
@@ -362,11 +364,15 @@ class Trainer:
             plan.hf_config, num_stages=plan.stages, partition_method=t.partition_method,
             attention_backend=self.settings.attention_backend,
             activation_checkpoint_interval=t.activation_checkpoint_interval, device=device,
+            sync_free_attention=t.sync_free_attention,
         )
         self.loss: TokenMeanLoss = pipe.loss_fn
-        swapped = apply_fast_kernels(self.settings.fast_kernels, pipe, loss=self.loss)
+        swapped = apply_fast_kernels(self.settings.fast_kernels, pipe, loss=self.loss, in_layers=not t.compile_layers)
         if swapped:
             log.info("stage %d: fast kernels %s: %s", pipe.stage_id, self.settings.fast_kernels, swapped)
+        if t.compile_layers:
+            log.info("stage %d: %d decoder layers compiled (one shared graph)", pipe.stage_id,
+                     compile_decoder_layers(pipe))
         n = load_stage_weights(pipe_layers(pipe), self.model_dir)
         log.info("stage %d: loaded %d base tensors from %s", pipe.stage_id, n, self.model_dir)
         optimizer = build_optimizer(pipe, plan.ds_config, device)
@@ -474,7 +480,7 @@ class Trainer:
                               columns_for(role.first, role.last))
             source = MicroBatches(shards, micro_batch=t.micro_batch_size, dp_rank=role.dp_rank, dp_size=role.dp_size,
                                   seed=t.seed, position=position, need_inputs=role.first, need_labels=role.last,
-                                  device=role.device)
+                                  device=role.device, pin_memory=t.pin_memory)
         return StepBatches(source, self.loss if role.last else None, micro_batches=t.gradient_accumulation_steps,
                            dp_size=role.dp_size, dp_group=self.engine.grid.get_data_parallel_group(),
                            device=role.device)
