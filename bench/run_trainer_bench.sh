@@ -10,7 +10,9 @@
 # extra:  the trainer on packed documents; the trainer with bf16 gradient accumulation
 # levers: issue 17's levers beside the baselines (profiles of the trainer and HF bf16 steps;
 #         host syncs + pageable copies as before; compiled decoder layers; compiled + bf16 accum)
-# levers2: the fp32-master HF loop; the trainer's checkpoint save stall, async vs synchronous
+# levers2: the trainer with the levers the profile pointed at (defaults), the two HF loops, and the
+#         trainer with the varlen kernel on whole-document rows (isolates the attention lever)
+# ckpt:   the trainer's checkpoint save stall, async vs synchronous (CKPT_LAYERS-layer slice)
 # Results: $BENCH_OUT/row_*.json + logs, the table printed last (bench/report.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,14 +49,19 @@ for phase in ${*:-main checks extra}; do
     levers)  # issue 17's levers, each a row beside the baselines; the first two are profiled too
       row trainer 200 $TR "${TRAINER[@]}" --profile "$BENCH_OUT/prof_trainer.txt"
       row hf_bf16 150 $PY $T "${HF[@]}" --master bf16 --profile "$BENCH_OUT/prof_hf_bf16.txt"
-      row trainer_syncs_pageable 200 $TR "${TRAINER[@]}" --sync-free 0 --pin-memory 0
-      row trainer_compiled 300 $TR "${TRAINER[@]}" --compile-layers 1
-      row trainer_compiled_bf16_accum 300 $TR "${TRAINER[@]}" --compile-layers 1 --grad-accum-dtype bf16
+      row trainer_compiled 240 $TR "${TRAINER[@]}" --compile-layers 1
+      row trainer_syncs_pageable 160 $TR "${TRAINER[@]}" --sync-free 0 --pin-memory 0
       ;;
-    levers2)
+    levers2)  # after the profile: cuDNN SDPA on whole-document rows + fused fp32 accumulation (defaults)
+      row trainer 200 $TR "${TRAINER[@]}" --profile "$BENCH_OUT/prof_trainer.txt"
+      row hf_bf16 150 $PY $T "${HF[@]}" --master bf16
       row hf_fp32_master 150 $PY $T "${HF[@]}" --master fp32
-      row trainer_ckpt 300 $TR "${TRAINER[@]}" --checkpoint --async-checkpoint 1
-      row trainer_ckpt_sync 300 $TR "${TRAINER[@]}" --checkpoint --async-checkpoint 0
+      row trainer_varlen_attention 200 $TR "${TRAINER[@]}" --causal-rows-sdpa 0
+      ;;
+    ckpt)  # the save stall, async vs synchronous, on a $CKPT_LAYERS-layer slice (a 16-layer checkpoint is ~60 GB)
+      COMMON=(--model 7b --layers "${CKPT_LAYERS:-2}" --seq-len 4096 --micro-batch 2 --grad-accum 16 --steps 3 --warmup 1)
+      row trainer_ckpt_async 200 $TR "${TRAINER[@]}" --checkpoint --async-checkpoint 1
+      row trainer_ckpt_sync 200 $TR "${TRAINER[@]}" --checkpoint --async-checkpoint 0
       ;;
     checks)
       echo "=== checks ($(date +%T))"

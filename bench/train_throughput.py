@@ -494,6 +494,7 @@ def setup_trainer(args, device: Device):
         "train.learning_rate": 1e-5, "train.checkpoint_every": args.checkpoint_every,
         "train.compile_layers": bool(args.compile_layers), "train.sync_free_attention": bool(args.sync_free),
         "train.pin_memory": bool(args.pin_memory), "train.async_checkpoint": bool(args.async_checkpoint),
+        "train.causal_rows_sdpa": bool(args.causal_rows_sdpa), "train.fused_grad_accumulation": bool(args.fused_accum),
     })
     plan = train.make_plan(cfg, input_uri, uris.join(cfg.pipeline.store_uri, "runs", "bench-run"),
                            world, device.cuda)
@@ -607,6 +608,8 @@ def parse_args(argv=None):
     p.add_argument("--compile-layers", type=int, choices=(0, 1), default=0, help="trainer: train.compile_layers")
     p.add_argument("--sync-free", type=int, choices=(0, 1), default=1, help="trainer: train.sync_free_attention")
     p.add_argument("--pin-memory", type=int, choices=(0, 1), default=1, help="trainer: train.pin_memory")
+    p.add_argument("--causal-rows-sdpa", type=int, choices=(0, 1), default=1, help="trainer: train.causal_rows_sdpa")
+    p.add_argument("--fused-accum", type=int, choices=(0, 1), default=1, help="trainer: train.fused_grad_accumulation")
     p.add_argument("--async-checkpoint", type=int, choices=(0, 1), default=1, help="trainer: train.async_checkpoint")
     p.add_argument("--profile", default=None,
                    help="after the timed steps, one more step under torch.profiler; its kernel table to this file")

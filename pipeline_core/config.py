@@ -285,6 +285,14 @@ class TrainSection(Section):
     sync_free_attention: bool = Field(
         True, description="torch_varlen/flash_varlen: bound max_seqlen by the row length instead of reading the "
         "longest document back from the GPU every micro-batch (one host sync less; the kernel skips empty tiles)")
+    causal_rows_sdpa: bool = Field(
+        True, description="torch_varlen: a micro-batch whose rows are each one whole document runs PyTorch SDPA "
+        "(cuDNN/flash, transformers' own sdpa path) instead of the varlen kernel; on an H200 cuDNN's attention "
+        "took 0.61 s of a step where FA2 varlen took 1.07 s (bench/RESULTS.md)")
+    fused_grad_accumulation: bool = Field(
+        True, description="bf16 + grad_accum_dtype fp32: add each bf16 gradient into its fp32 buffer the moment "
+        "backward produces it (DeepSpeed's bf16.immediate_grad_update), in one mixed-dtype kernel, and free the "
+        "bf16 gradient: no bf16 accumulation, no fp32 temporary, 2 bytes/parameter less")
     pin_memory: bool = Field(
         True, description="GPU: micro-batches go host->device from pinned memory without blocking the host")
     async_checkpoint: bool = Field(

@@ -147,11 +147,12 @@ class PackedAttentionContext:
     engine casts the model to bf16.
     """
 
-    def __init__(self, config: MistralConfig, backend: str, sync_free: bool = False):
+    def __init__(self, config: MistralConfig, backend: str, sync_free: bool = False, causal_rows_sdpa: bool = False):
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"train.attention_backend: unknown {backend!r}, expected one of {sorted(ATTENTION_BACKENDS)}")
         self.backend = backend
         self.sync_free = sync_free  # train.sync_free_attention
+        self.causal_rows_sdpa = causal_rows_sdpa and backend == "torch_varlen"  # train.causal_rows_sdpa
         self.sliding_window = getattr(config, "sliding_window", None)
         with torch.device("cpu"):
             self.rope = MistralRotaryEmbedding(config=config)
@@ -162,7 +163,10 @@ class PackedAttentionContext:
             return dense_document_mask(position_ids, self.sliding_window), {}
         if self.backend == "flex":
             return flex_document_mask(position_ids, self.sliding_window), {}
-        return None, varlen_kwargs(position_ids, exact_max_len=not self.sync_free)
+        extra = varlen_kwargs(position_ids, exact_max_len=not self.sync_free)
+        if self.causal_rows_sdpa and extra["cu_seq_lens_q"].numel() - 1 == position_ids.shape[0]:
+            extra["whole_rows"] = True  # one document per row: plain causal attention (torch_varlen's SDPA path)
+        return None, extra
 
     def __call__(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple:
         c = self._cache
@@ -273,11 +277,13 @@ def prepare_hf_config(config: MistralConfig, attention_backend: str, seq_len: in
     return cfg
 
 
-def layer_specs(config: MistralConfig, attention_backend: str, sync_free_attention: bool = False) -> list:
+def layer_specs(config: MistralConfig, attention_backend: str, sync_free_attention: bool = False,
+                causal_rows_sdpa: bool = False) -> list:
     """LayerSpecs (built lazily, only on the stage that owns them)."""
     from deepspeed.pipe import LayerSpec
 
-    context = PackedAttentionContext(config, attention_backend, sync_free=sync_free_attention)
+    context = PackedAttentionContext(config, attention_backend, sync_free=sync_free_attention,
+                                     causal_rows_sdpa=causal_rows_sdpa)
     return [
         LayerSpec(EmbeddingPipe, config),
         *[LayerSpec(DecoderLayerPipe, config, i, context) for i in range(config.num_hidden_layers)],
@@ -296,6 +302,7 @@ def build_pipeline_module(
     loss_fn: Callable | None = None,
     device: str | torch.device | None = None,
     sync_free_attention: bool = False,
+    causal_rows_sdpa: bool = False,
 ):
     """The PipelineModule (needs torch.distributed initialised). Parameters are created directly
     on ``device`` so a stage never holds other stages' layers, nor a CPU copy of its own.
@@ -309,7 +316,7 @@ def build_pipeline_module(
         loss_fn = TokenMeanLoss(causal_lm_loss_sum)
     with torch.device(device or "cpu"):
         module = PipelineModule(
-            layers=layer_specs(config, attention_backend, sync_free_attention),
+            layers=layer_specs(config, attention_backend, sync_free_attention, causal_rows_sdpa),
             num_stages=num_stages,
             loss_fn=loss_fn,
             partition_method=partition_method,

@@ -50,7 +50,12 @@ from training.lease import RunLease, attempt_id  # noqa: E402
 from training.loss import StepBatches, TokenMeanLoss  # noqa: E402
 from training.metrics import MetricsLog, peak_tflops, write_report  # noqa: E402
 from training.model import build_pipeline_module, pipe_layers, prepare_hf_config  # noqa: E402
-from training.optim import OptimizerConfigError, build_ds_config, build_optimizer  # noqa: E402
+from training.optim import (  # noqa: E402
+    OptimizerConfigError,
+    build_ds_config,
+    build_optimizer,
+    fuse_hp_grad_accumulation,
+)
 from training.runtime import Settings, resolve_settings  # noqa: E402
 
 log = logging.getLogger("training.train")
@@ -364,7 +369,7 @@ class Trainer:
             plan.hf_config, num_stages=plan.stages, partition_method=t.partition_method,
             attention_backend=self.settings.attention_backend,
             activation_checkpoint_interval=t.activation_checkpoint_interval, device=device,
-            sync_free_attention=t.sync_free_attention,
+            sync_free_attention=t.sync_free_attention, causal_rows_sdpa=t.causal_rows_sdpa,
         )
         self.loss: TokenMeanLoss = pipe.loss_fn
         swapped = apply_fast_kernels(self.settings.fast_kernels, pipe, loss=self.loss, in_layers=not t.compile_layers)
@@ -379,6 +384,10 @@ class Trainer:
         ds = {k: v for k, v in plan.ds_config.items() if k != "optimizer"}  # the client optimizer is used
         engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=ds)
         self.engine, self.optimizer = engine, optimizer
+        if t.fused_grad_accumulation and self.settings.bf16 and t.grad_accum_dtype == "fp32":
+            fused = fuse_hp_grad_accumulation(engine.optimizer)
+            log.info("fp32 gradient accumulation: immediate, %s", "one mixed-dtype add per parameter" if fused
+                     else "DeepSpeed's own add (its BF16 optimizer is not the one the fused add was written for)")
         self.role = Role(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(),
                          stage=engine.stage_id, first=engine.is_first_stage(), last=engine.is_last_stage(),
                          dp_rank=engine.grid.get_data_parallel_rank(),
