@@ -169,8 +169,7 @@ def fake_varlen_api(monkeypatch, params, calls, expected_scale="unset"):
         calls.append(kwargs)
         return reference_varlen(*args, **kwargs, expected_scale=expected_scale)
 
-    fast_kernels._varlen_api.cache_clear()
-    monkeypatch.setattr(fast_kernels, "_varlen_api", lambda: (varlen, frozenset(params)))
+    monkeypatch.setattr(fast_kernels, "_VARLEN_API", (varlen, frozenset(params)))
 
 
 def packed_positions(lengths: list[int], rows: int = 2) -> torch.Tensor:

@@ -15,6 +15,7 @@ publish ``model/`` and ``report/`` under the run. Re-running a finished run is a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -384,6 +385,12 @@ class Trainer:
         ds = {k: v for k, v in plan.ds_config.items() if k != "optimizer"}  # the client optimizer is used
         engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=ds)
         self.engine, self.optimizer = engine, optimizer
+        self.ckpt_writer = None
+        if t.async_checkpoint:  # saves snapshot to host memory; files are written in the background
+            from training.async_save import SnapshotCheckpointEngine
+
+            self.ckpt_writer = SnapshotCheckpointEngine(engine._config, pin_memory=device.type == "cuda")
+            engine.checkpoint_engine = self.ckpt_writer
         if t.fused_grad_accumulation and self.settings.bf16 and t.grad_accum_dtype == "fp32":
             fused = fuse_hp_grad_accumulation(engine.optimizer)
             log.info("fp32 gradient accumulation: immediate, %s", "one mixed-dtype add per parameter" if fused
@@ -533,6 +540,8 @@ class Trainer:
                 state.evals.append(self.evaluate(step))
             if step % t.checkpoint_every == 0 or step == t.steps:
                 self._save_checkpoint(step, step * t.gradient_accumulation_steps)
+        if self.ckpt_writer is not None:
+            self.ckpt_writer.flush()  # this rank's checkpoint files are on disk before eval/export
         state.summary.update(train_time_s=time.time() - train_t0, steps_run=t.steps - state.start_step,
                              skipped_steps=bad.total, tokens_per_step=tokens_per_step,
                              flops_per_token=fpt)
@@ -632,17 +641,33 @@ class Trainer:
         import torch.distributed as dist
 
         local = self.plan.staging / "checkpoints" / f"step-{step}"
+        writer = self.ckpt_writer
+        if writer is not None:
+            writer.flush()  # one checkpoint in host memory at a time (normally written long ago)
         self.engine.save_checkpoint(str(local), tag=ckpt.TAG, save_latest=False,
                                     client_state={"step": step, "data_position": position})
-        ckpt.save_rng(local / ckpt.TAG, self.role.rank)
+        if writer is not None:  # async: the RNG file, this rank's completion marker, goes last
+            writer.after(functools.partial(ckpt.save_rng, local / ckpt.TAG, self.role.rank, ckpt.rng_state()))
+        else:
+            ckpt.save_rng(local / ckpt.TAG, self.role.rank)
         if self.metrics is not None:
             shutil.copy(self.metrics.csv_path, local / ckpt.TAG / "metrics.csv")
             if self.metrics.eval_path.exists():
                 shutil.copy(self.metrics.eval_path, local / ckpt.TAG / "eval.csv")
+        if writer is not None:
+            if self.uploader is not None:  # the upload thread waits for every rank's files, then pushes
+                self.uploader.submit(step, local, {"data_position": position},
+                                     ready=functools.partial(self._checkpoint_written, local))
+            return
         dist.barrier()  # every rank's files are on disk before the push starts
         if self.uploader is not None:
             ckpt.check_all_ranks(local, self.plan.world_size)
             self.uploader.submit(step, local, {"data_position": position})  # raises once pushing failed for good
+
+    def _checkpoint_written(self, local: Path) -> None:
+        """On the upload thread: this rank's writer is done and every rank's marker is there."""
+        self.ckpt_writer.flush()
+        ckpt.wait_for_all_ranks(local, self.plan.world_size, timeout_s=self.t.io_timeout_s)
 
     def _export(self) -> Path:
         """Every stage's dp-rank-0 writes its shard; rank 0 adds index/config/tokenizer."""
