@@ -51,24 +51,29 @@ def test_the_step_loop_runs_on_while_the_upload_is_held_and_the_upload_has_the_s
     hold = threading.Event()
     local = run["staging"] / "attempts" / "a1" / "checkpoints" / "step-2"
     (local / ckpt.TAG).mkdir(parents=True)
-    with FaultProxy(s3_server.endpoint, methods=("PUT",), path_contains="/checkpoints/step-2/", hold=hold) as proxy:
+    with FaultProxy(s3_server.endpoint, fail_first=10_000, methods=("PUT",), path_contains="/checkpoints/step-2/",
+                    hold=hold) as proxy:
         writer = SnapshotCheckpointEngine(pin_memory=False)
         uploader = ckpt.CheckpointUploader(run["run"], StorageSection(endpoint_url=proxy.endpoint),
                                            ckpt.PushPolicy(keep_last=2), load_config().model_dump(mode="json"),
                                            [run["input"]], key=KEY)
         weights = torch.zeros(4096)
+        disk = threading.Event()
+        writer.after(disk.wait)  # a slow disk: nothing is written until the test says so
         t0 = time.perf_counter()
         writer.save({"module": {"w": weights}}, str(local / ckpt.TAG / "mp_rank_00_model_states.pt"))
         writer.after(lambda: ckpt.save_rng(local / ckpt.TAG, 0, ckpt.rng_state()))
         uploader.submit(2, local, {"data_position": 4},
                         ready=lambda: (writer.flush(), ckpt.wait_for_all_ranks(local, 1, timeout_s=60)))
         returned_s = time.perf_counter() - t0
-        _wait(lambda: proxy.held >= 1, "the upload never started")
-        steps = 0
-        for _ in range(50):  # training goes on, mutating the weights that were saved
+        for _ in range(25):  # training goes on before a byte is written, mutating the saved weights
             weights += 1
-            steps += 1
-        assert steps == 50 and proxy.held >= 1, "the loop ran while the upload was in flight"
+        assert not (local / ckpt.TAG / "mp_rank_00_model_states.pt").exists() and not (local / ckpt.PENDING).exists()
+        disk.set()
+        _wait(lambda: proxy.held >= 1, "the upload never started")
+        for _ in range(25):  # ... and while the upload is in flight
+            weights += 1
+        assert proxy.held >= 1, "the loop ran while the upload was in flight"
         assert read_manifest(layout.checkpoint_uri(run["run"], 2), run["storage"]) is None, "held: not committed"
         assert (local / ckpt.PENDING).is_file(), "every file was complete, so the pending marker is there"
         hold.set()
@@ -109,7 +114,8 @@ def _read_until(proc: subprocess.Popen, marker: str, timeout_s: float = 120.0) -
 def test_a_kill_mid_upload_commits_nothing_and_the_next_attempt_pushes_the_complete_checkpoint(run, s3_server):
     hold = threading.Event()
     uri = layout.checkpoint_uri(run["run"], 2)
-    with FaultProxy(s3_server.endpoint, methods=("PUT",), path_contains="/checkpoints/step-2/", hold=hold) as proxy:
+    with FaultProxy(s3_server.endpoint, fail_first=10_000, methods=("PUT",), path_contains="/checkpoints/step-2/",
+                    hold=hold) as proxy:
         proc = _probe("upload", run, proxy.endpoint)
         try:
             _wait(lambda: proxy.held >= 1, "the probe's upload never started", timeout_s=120)
