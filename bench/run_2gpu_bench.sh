@@ -25,18 +25,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-BENCH_OUT=${BENCH_OUT:-bench_out}
-WHEELS=${WHEELS:-.whl}
-PY=${PYTHON:-python3}
-DRY=${DRY:-0}
-mkdir -p "$BENCH_OUT"
-
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+source bench/gpu_env.sh || exit 1
 
 if [ "$DRY" = 1 ]; then
-  export DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
   WORK=${BENCH_WORK:-$BENCH_OUT/work}
   STORE=${BENCH_STORE:-$WORK/store}
   STEPS=${STEPS:-2} WARMUP=${WARMUP:-1}
@@ -45,7 +36,6 @@ if [ "$DRY" = 1 ]; then
   LIGER=()
   KEEP_WINDOW=(--sliding-window none)  # the tiny model's window (4096) is above seq 128 anyway
 else
-  export DS_ACCELERATOR=cuda OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
   # staging (the local save the stall measures) in RAM; the store (upload target) on disk:
   # one full checkpoint with optimizer states is ~101 GB and is held twice during the push
   WORK=${BENCH_WORK:-/dev/shm/mft-bench}
@@ -58,12 +48,6 @@ else
   KEEP_WINDOW=()
 fi
 mkdir -p "$WORK" "$STORE"
-
-if ! $PY -c "import deepspeed" 2>/dev/null && [ -d "$WHEELS" ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
 
 T=bench/train_throughput.py
 TR2="$PY -m torch.distributed.run --standalone --nproc_per_node 2"

@@ -9,23 +9,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-BENCH_OUT=${BENCH_OUT:-bench_out}
-WHEELS=${WHEELS:-.whl}
-PY=${PYTHON:-python3}
+source bench/gpu_env.sh || exit 1
 NGPU=${NGPU:-2}
-mkdir -p "$BENCH_OUT"
-
-# NVLink multicast stays off (shared hosts); DeepSpeed on CUDA; fewer allocator splits at ~100 GiB.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-
-if ! $PY -c "import deepspeed" 2>/dev/null && [ -d "$WHEELS" ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
 
 T=bench/train_throughput.py
 TR="$PY -m torch.distributed.run --standalone --nproc_per_node $NGPU"

@@ -2,34 +2,25 @@
 # One-GPU throughput comparison on the one-stage slice of Mistral-7B (issue 17): 16 decoder layers
 # + embedding + head (3.75 B parameters), seq 4096, micro-batch 2 x 16, plain causal rows unless a
 # row says packed. All rows in one run, same model shape and rows:
-#   bash bench/run_trainer_bench.sh [phase ...]    phases: main checks extra   (default: all)
+#   bash bench/run_trainer_bench.sh [phase ...]    phases: main checks extra levers levers2
+#                                                  (default: main checks extra)
 # main:   the trainer (training/train.py's own setup + loader, fp32 grad accumulation) vs the plain
 #         HF loop with Liger + window-free SDPA + no recompute, (a) pure bf16, (b) fp32 master weights
 # checks: the GPU correctness checks against their limits (tests/test_gpu_checks.py)
 # extra:  the trainer on packed documents; the trainer with bf16 gradient accumulation
+# levers: issue 17's levers beside the baselines (profiles of the trainer and HF bf16 steps;
+#         host syncs + pageable copies as before; compiled decoder layers; compiled + bf16 accum)
+# levers2: the trainer with the levers the profile pointed at (defaults), the two HF loops, and the
+#         trainer with the varlen kernel on whole-document rows (isolates the attention lever)
+# ckpt:   the trainer's checkpoint save stall, async vs synchronous (CKPT_LAYERS-layer slice)
 # Results: $BENCH_OUT/row_*.json + logs, the table printed last (bench/report.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-BENCH_OUT=${BENCH_OUT:-bench_out}
-WHEELS=${WHEELS:-.whl}
-PY=${PYTHON:-python3}
+source bench/gpu_env.sh || exit 1
 LAYERS=${LAYERS:-16}
-STEPS=${STEPS:-5}
+STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-2}
-mkdir -p "$BENCH_OUT"
-
-# NVLink multicast stays off (shared hosts); the same allocator setting for every row.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export DS_ACCELERATOR=cuda PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
-
-if ! $PY -c "import deepspeed" 2>/dev/null && [ -d "$WHEELS" ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
 
 T=bench/train_throughput.py
 TR="$PY -m torch.distributed.run --standalone --nproc_per_node 1"
@@ -47,21 +38,38 @@ row() {  # row NAME TIMEOUT_S LAUNCHER ARGS...
   return 0
 }
 
+TRAINER=($T --setup trainer --stages 1 --docs causal --attention auto --kernels auto)
 for phase in ${*:-main checks extra}; do
   case $phase in
     main)
-      row trainer 200 $TR $T --setup trainer --stages 1 --docs causal --attention auto --kernels auto
+      row trainer 200 $TR "${TRAINER[@]}"
       row hf_bf16 150 $PY $T "${HF[@]}" --master bf16
       row hf_fp32_master 150 $PY $T "${HF[@]}" --master fp32
       ;;
+    levers)  # issue 17's levers, each a row beside the baselines; the first two are profiled too
+      row trainer 200 $TR "${TRAINER[@]}" --profile "$BENCH_OUT/prof_trainer.txt"
+      row hf_bf16 150 $PY $T "${HF[@]}" --master bf16 --profile "$BENCH_OUT/prof_hf_bf16.txt"
+      row trainer_compiled 240 $TR "${TRAINER[@]}" --compile-layers 1
+      row trainer_syncs_pageable 160 $TR "${TRAINER[@]}" --sync-free 0 --pin-memory 0
+      ;;
+    levers2)  # after the profile: cuDNN SDPA on whole-document rows + fused fp32 accumulation (defaults)
+      row trainer 200 $TR "${TRAINER[@]}" --profile "$BENCH_OUT/prof_trainer.txt"
+      row hf_bf16 150 $PY $T "${HF[@]}" --master bf16
+      row hf_fp32_master 150 $PY $T "${HF[@]}" --master fp32
+      row trainer_varlen_attention 200 $TR "${TRAINER[@]}" --causal-rows-sdpa 0
+      ;;
+    ckpt)  # the save stall, async vs synchronous, on a $CKPT_LAYERS-layer slice (a 16-layer checkpoint is ~60 GB)
+      COMMON=(--model 7b --layers "${CKPT_LAYERS:-2}" --seq-len 4096 --micro-batch 2 --grad-accum 16 --steps 3 --warmup 1)
+      row trainer_ckpt_async 200 $TR "${TRAINER[@]}" --checkpoint --async-checkpoint 1
+      row trainer_ckpt_sync 200 $TR "${TRAINER[@]}" --checkpoint --async-checkpoint 0
+      ;;
     checks)
       echo "=== checks ($(date +%T))"
-      timeout -k 10 150 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_checks.py 2>&1 | tail -4
+      timeout -k 10 150 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_checks.py tests/test_bench_gpu_paths.py 2>&1 | tail -6
       ;;
     extra)
       row trainer_packed 200 $TR $T --setup trainer --stages 1 --docs packed --attention auto --kernels auto
-      row trainer_bf16_accum 200 $TR $T --setup trainer --stages 1 --docs causal --attention auto --kernels auto \
-          --grad-accum-dtype bf16
+      row trainer_bf16_accum 200 $TR "${TRAINER[@]}" --grad-accum-dtype bf16
       ;;
     *) echo "unknown phase $phase"; exit 2 ;;
   esac

@@ -492,6 +492,9 @@ def setup_trainer(args, device: Device):
         "train.fast_kernels": args.kernels, "train.grad_accum_dtype": args.grad_accum_dtype,
         "train.activation_checkpoint_interval": args.act_ckpt, "train.precision": "bf16" if device.cuda else "fp32",
         "train.learning_rate": 1e-5, "train.checkpoint_every": args.checkpoint_every,
+        "train.compile_layers": bool(args.compile_layers), "train.sync_free_attention": bool(args.sync_free),
+        "train.pin_memory": bool(args.pin_memory), "train.async_checkpoint": bool(args.async_checkpoint),
+        "train.causal_rows_sdpa": bool(args.causal_rows_sdpa), "train.fused_grad_accumulation": bool(args.fused_accum),
     })
     plan = train.make_plan(cfg, input_uri, uris.join(cfg.pipeline.store_uri, "runs", "bench-run"),
                            world, device.cuda)
@@ -547,6 +550,28 @@ def setup_trainer(args, device: Device):
     return step, tokens_per_step, plan.hf_config, {**plan.ds_config, "extra": extra}, timer
 
 
+def profile_step(step, device: Device, out: Path) -> None:
+    """One step under torch.profiler: GPU busy vs wall time and the kernels by total GPU time
+    (what the step spends its time on, and the idle gaps between kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.cuda else [])
+    device.sync()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        device.sync()
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    attr = "self_device_time_total" if device.cuda else "self_cpu_time_total"
+    busy_us = sum(getattr(e, attr, 0.0) for e in events if e.device_type.name == ("CUDA" if device.cuda else "CPU"))
+    lines = [f"wall {wall:.3f} s; kernel time {busy_us / 1e6:.3f} s ({busy_us / 1e6 / wall:.1%} of wall)"]
+    lines.append(events.table(sort_by=attr, row_limit=45, max_name_column_width=90))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    print(lines[0], flush=True)
+
+
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -580,6 +605,14 @@ def parse_args(argv=None):
     p.add_argument("--store", default=None,
                    help="trainer: store URI for the run and its checkpoints (default: <work>/store); put it on "
                         "another disk than --work when a full checkpoint does not fit twice")
+    p.add_argument("--compile-layers", type=int, choices=(0, 1), default=0, help="trainer: train.compile_layers")
+    p.add_argument("--sync-free", type=int, choices=(0, 1), default=1, help="trainer: train.sync_free_attention")
+    p.add_argument("--pin-memory", type=int, choices=(0, 1), default=1, help="trainer: train.pin_memory")
+    p.add_argument("--causal-rows-sdpa", type=int, choices=(0, 1), default=1, help="trainer: train.causal_rows_sdpa")
+    p.add_argument("--fused-accum", type=int, choices=(0, 1), default=1, help="trainer: train.fused_grad_accumulation")
+    p.add_argument("--async-checkpoint", type=int, choices=(0, 1), default=1, help="trainer: train.async_checkpoint")
+    p.add_argument("--profile", default=None,
+                   help="after the timed steps, one more step under torch.profiler; its kernel table to this file")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
@@ -644,6 +677,8 @@ def run(args) -> dict | None:
     energy = meter.stop() if meter else {"energy_j": None}
     if timer:
         timer.active = False
+    if args.profile and rank == 0:
+        profile_step(step, device, Path(args.profile))
     probe = getattr(step, "checkpoint_probe", None) if args.checkpoint else None
     checkpoint = probe(statistics.median(times)) if probe else None
     local = {"rank": rank, "times": times, **device.peak_gib(), "power": energy, "losses": losses}

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +21,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from tests.training_helpers import kill_tree, train_cmd, train_env  # noqa: E402  (the e2e test's launcher)
 
 TOKENIZER_FILE = REPO / "bench" / "assets" / "tokenizer.model.v1"  # copied from mistral-common
 
@@ -85,24 +85,6 @@ def make_data(store_uri: str, local: Path, seq_len: int, rows: int, val_rows: in
     return uri
 
 
-def train_cmd(input_uri: str, run_uri: str, cfg_path: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-            str(REPO / "training" / "train.py"), "--input", input_uri, "--output", run_uri, "--config", str(cfg_path)]
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    import psutil
-
-    procs = [psutil.Process(proc.pid)]
-    procs += procs[0].children(recursive=True)
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
-
-
 def metrics_of(run_uri: str, staging: Path, run_id: str) -> dict:
     from pipeline_core import uris
     from training.metrics import read_csv
@@ -141,7 +123,7 @@ def main() -> int:
     rows = args.steps * args.micro_batch * args.grad_accum
     input_uri = make_data(store, work / "ready", args.seq_len, rows, val_rows=16)
     results: dict = {"args": vars(args), "runs": {}}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = train_env(cpu=False)
     for variant in args.variants.split(","):
         run_id = f"gpu-{variant}"
         run_uri = uris.join(store, "runs", run_id)
@@ -160,7 +142,7 @@ def main() -> int:
         t0 = time.time()
         kill = variant == "fp32_accum"
         with log1.open("w") as log:
-            proc = subprocess.Popen(train_cmd(input_uri, run_uri, cfg_path), env=env, cwd=REPO, stdout=log,
+            proc = subprocess.Popen(train_cmd(input_uri, run_uri, cfg_path, nproc=1), env=env, cwd=REPO, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             first_ckpt = layout.checkpoint_uri(run_uri, args.steps // 2)
             while proc.poll() is None:
@@ -173,7 +155,7 @@ def main() -> int:
         if kill:
             log2 = out / f"{run_id}-2.log"
             with log2.open("w") as log:
-                r["resume_rc"] = subprocess.run(train_cmd(input_uri, run_uri, cfg_path), env=env, cwd=REPO,
+                r["resume_rc"] = subprocess.run(train_cmd(input_uri, run_uri, cfg_path, nproc=1), env=env, cwd=REPO,
                                                 stdout=log, stderr=subprocess.STDOUT).returncode
             r["resumed"] = "resumed from" in log2.read_text()
         r["wall_s"] = time.time() - t0

@@ -284,6 +284,26 @@ class TrainSection(Section):
     io_timeout_s: int = Field(3600, ge=60, description="Timeout of the CPU side group the ranks wait on while rank 0 "
                               "fetches the dataset, base weights and checkpoint (NCCL keeps its own short timeout)")
     activation_checkpoint_interval: int = Field(0, ge=0, description="Decoder layers per checkpointed block; 0 = off")
+    compile_layers: bool = Field(
+        False, description="GPU: torch.compile each decoder layer (regional compilation, one graph shared by all "
+        "layers, as torchtitan does); Inductor then fuses RMSNorm/SwiGLU/RoPE itself, so Liger keeps only the "
+        "fused loss. Costs a one-off compile at start")
+    sync_free_attention: bool = Field(
+        True, description="torch_varlen/flash_varlen: bound max_seqlen by the row length instead of reading the "
+        "longest document back from the GPU every micro-batch (one host sync less; the kernel skips empty tiles)")
+    causal_rows_sdpa: bool = Field(
+        True, description="torch_varlen: a micro-batch whose rows are each one whole document runs PyTorch SDPA "
+        "(cuDNN/flash, transformers' own sdpa path) instead of the varlen kernel; on an H200 cuDNN's attention "
+        "took 0.61 s of a step where FA2 varlen took 1.07 s (bench/RESULTS.md)")
+    fused_grad_accumulation: bool = Field(
+        True, description="bf16 + grad_accum_dtype fp32: add each bf16 gradient into its fp32 buffer the moment "
+        "backward produces it (DeepSpeed's bf16.immediate_grad_update), in one mixed-dtype kernel, and free the "
+        "bf16 gradient: no bf16 accumulation, no fp32 temporary, 2 bytes/parameter less")
+    pin_memory: bool = Field(
+        True, description="GPU: micro-batches go host->device from pinned memory without blocking the host")
+    async_checkpoint: bool = Field(
+        True, description="Checkpoint saves snapshot the state to host memory and return; a background writer "
+        "writes the files, then the upload starts (the manifest is still written last, after every rank's files)")
     ds_config: str | None = Field(None, description="DeepSpeed JSON (path or file:// URI); default training/ds_config.json")
     eval_batches: int = Field(8, ge=0, description="Validation micro-batches per data-parallel rank (0 = skip eval)")
     verify_parity: bool = Field(

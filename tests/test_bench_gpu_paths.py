@@ -149,7 +149,8 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_si
     assert tuple(window_size) == (-1, 0), "the trainer always asks for causal attention"
     assert cu_q is cu_k and cu_q.dtype == torch.int32 and cu_q[0] == 0 and cu_q[-1] == q.shape[0]
     assert max_q == max_k and isinstance(max_q, int)
-    assert max_q == int((cu_q[1:] - cu_q[:-1]).max()), "max length must be the longest segment"
+    # an upper bound of the longest segment (train.sync_free_attention passes the row length)
+    assert int((cu_q[1:] - cu_q[:-1]).max()) <= max_q <= q.shape[0], "max length must bound the longest segment"
     assert expected_scale == "unset" or scale == expected_scale, (scale, expected_scale)
     assert isinstance(enable_gqa, bool)
     if k.shape[1] != q.shape[1] and not enable_gqa:
@@ -169,8 +170,7 @@ def fake_varlen_api(monkeypatch, params, calls, expected_scale="unset"):
         calls.append(kwargs)
         return reference_varlen(*args, **kwargs, expected_scale=expected_scale)
 
-    fast_kernels._varlen_api.cache_clear()
-    monkeypatch.setattr(fast_kernels, "_varlen_api", lambda: (varlen, frozenset(params)))
+    monkeypatch.setattr(fast_kernels, "_VARLEN_API", (varlen, frozenset(params)))
 
 
 def packed_positions(lengths: list[int], rows: int = 2) -> torch.Tensor:
@@ -457,3 +457,55 @@ def test_benchmark_refuses_a_checkpoint_outside_the_trainer():
            "--checkpoint"]
     proc = subprocess.run(cmd, cwd=REPO, env=bench_env(), timeout=120, capture_output=True, text=True)
     assert proc.returncode == 2 and "--checkpoint needs --setup trainer" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- issue 17's levers
+def test_whole_document_rows_run_sdpa_packed_rows_the_varlen_kernel_and_both_match_the_reference(monkeypatch):
+    """train.causal_rows_sdpa: a micro-batch of one document per row takes transformers' SDPA path
+    (no varlen call); a packed one keeps the varlen kernel; both equal the dense-mask layer."""
+    calls = []
+    fake_varlen_api(monkeypatch, ["scale", "window_size", "enable_gqa"], calls)
+    torch.manual_seed(0)
+    cfg = tiny_cfg("torch_varlen")
+    ctx = PackedAttentionContext(cfg, "torch_varlen", sync_free=True, causal_rows_sdpa=True)
+    fast = DecoderLayerPipe(cfg, 0, ctx)
+    ref = DecoderLayerPipe(tiny_cfg("sdpa"), 0, PackedAttentionContext(tiny_cfg("sdpa"), "sdpa"))
+    ref.load_state_dict(fast.state_dict())
+    x = torch.randn(2, 48, 32)
+    for pos, varlen_calls in ((packed_positions([48]), 0), (packed_positions([30, 18]), 1)):
+        calls.clear()
+        whole = ctx._build_mask(pos)[1].get("whole_rows", False)
+        assert whole is (varlen_calls == 0), pos
+        h_fast, _ = fast((x, pos))
+        h_ref, _ = ref((x, pos))
+        assert len(calls) == varlen_calls
+        torch.testing.assert_close(h_fast, h_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sync_free_varlen_bounds_max_seqlen_by_the_row_length():
+    pos = packed_positions([30, 18])
+    assert varlen_kwargs(pos)["max_length_q"] == 30  # read back from the device
+    free = varlen_kwargs(pos, exact_max_len=False)
+    assert free["max_length_q"] == free["max_length_k"] == 48 and torch.equal(free["cu_seq_lens_q"],
+                                                                           varlen_kwargs(pos)["cu_seq_lens_q"])
+
+
+def test_fused_hp_grad_accumulation_adds_the_bf16_gradient_into_fp32_once():
+    """optim.fuse_hp_grad_accumulation replaces DeepSpeed 0.19's BF16_Optimizer._update_hp_grad on
+    one instance: same sums as ``hp.add_(lp.grad.to(fp32))``, the marker set, the bf16 grad kept."""
+    from training.optim import fuse_hp_grad_accumulation
+
+    torch.manual_seed(0)
+    lp = torch.nn.Parameter(torch.randn(6, 5).bfloat16())
+    hp = torch.randn(30)
+    opt = types.SimpleNamespace(_update_hp_grad=None, fp32_groups_gradients=[[hp]],
+                                fp32_groups_has_gradients=[[False]], autoep_folding_tp_group=None)
+    assert fuse_hp_grad_accumulation(opt)
+    expected = hp.clone()
+    for _ in range(3):  # three micro-batches
+        lp.grad = torch.randn(6, 5).bfloat16()
+        expected += lp.grad.float().view(-1)
+        opt._update_hp_grad(lp, 0, 0, clear_lp_grads=False)
+    torch.testing.assert_close(hp, expected, rtol=0, atol=0)
+    assert opt.fp32_groups_has_gradients[0][0] and lp._hp_grad is hp and lp.grad is not None
+    assert not fuse_hp_grad_accumulation(types.SimpleNamespace())  # another optimizer: left alone

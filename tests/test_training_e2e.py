@@ -8,13 +8,9 @@ and restarted: its losses after the resume must equal the reference's bit for bi
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 from pipeline_core import layout, uris
@@ -22,7 +18,7 @@ from pipeline_core.artifacts import fetch_artifact, read_latest, read_manifest
 from pipeline_core.config import load_config
 from pipeline_core.store import open_store
 from tests.proc_helpers import lines_within
-from tests.training_helpers import make_tiny_model, sample_train_ready
+from tests.training_helpers import kill_tree, make_tiny_model, sample_train_ready, train_cmd, train_env
 from training.checkpoints import store_steps
 from training.metrics import read_csv
 
@@ -32,16 +28,11 @@ pytestmark = pytest.mark.slow
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {**os.environ, **extra}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
-               TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"),
-               MFT_CHECKPOINT_HMAC_KEY="e2e-test-checkpoint-signing-key")
-    return env
+    return train_env({**extra, "MFT_CHECKPOINT_HMAC_KEY": "e2e-test-checkpoint-signing-key"}, cpu=True)
 
 
 def _cmd(input_uri: str, run_uri: str, cfg_path: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            str(REPO / "training" / "train.py"), "--input", input_uri, "--output", run_uri, "--config", str(cfg_path)]
+    return train_cmd(input_uri, run_uri, cfg_path, nproc=2)
 
 
 def _run(cmd, env, log_path: Path) -> str:
@@ -52,17 +43,7 @@ def _run(cmd, env, log_path: Path) -> str:
     return out
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and its workers (they run in their own sessions), like a lost node."""
-    procs = [psutil.Process(proc.pid)]
-    procs += procs[0].children(recursive=True)
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=30)
-    psutil.wait_procs(procs, timeout=30)
+_kill_tree = kill_tree
 
 
 def _losses(run_uri: str, storage, tmp: Path) -> dict[int, float]:

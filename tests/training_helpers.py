@@ -120,3 +120,44 @@ def sample_train_ready(root_uri: str, local_dir: Path, *, seq_len: int, storage=
     publish_artifact(local_dir, uri, kind="train-ready", counts={"in": total, "out": total},
                      extra=_info(tok, seq_len), storage=storage)
     return uri
+
+
+# ----------------------------------------------------------------------------- launching train.py
+# One launcher for the e2e test (2 CPU processes) and bench/trainer_gpu_run.py (1 GPU).
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_env(extra: dict[str, str] | None = None, *, cpu: bool) -> dict[str, str]:
+    """The environment train.py runs under: the caller's, unbuffered, no hub; on CPU DeepSpeed's
+    CPU accelerator with one thread and the fixed extension cache."""
+    import os
+
+    env = {**os.environ, **(extra or {}), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    if cpu:
+        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+                   TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
+    return env
+
+
+def train_cmd(input_uri: str, run_uri: str, cfg_path: Path, nproc: int) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            str(REPO / "training" / "train.py"), "--input", input_uri, "--output", run_uri, "--config", str(cfg_path)]
+
+
+def kill_tree(proc) -> None:
+    """SIGKILL torchrun and its workers (they run in their own sessions), like a lost node."""
+    import signal
+
+    import psutil
+
+    procs = [psutil.Process(proc.pid)]
+    procs += procs[0].children(recursive=True)
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=30)
+    psutil.wait_procs(procs, timeout=30)

@@ -37,6 +37,7 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,13 +121,29 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_rng(tag_dir: Path, rank: int) -> None:
-    torch.save(rng_state(), rng_path(tag_dir, rank))
+def save_rng(tag_dir: Path, rank: int, state: dict[str, torch.Tensor] | None = None) -> None:
+    """``state``: generators captured earlier (async saves capture at the save point, write later).
+    Written to a temporary name and renamed: the file is also the rank's completion marker."""
+    path = rng_path(tag_dir, rank)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(rng_state() if state is None else state, tmp)
+    os.replace(tmp, path)
 
 
 def load_rng(tag_dir: Path, rank: int) -> None:
     """Restore this rank's generators; the file is data (weights_only=True refuses pickled code)."""
     set_rng_state(torch.load(rng_path(tag_dir, rank), weights_only=True))
+
+
+def wait_for_all_ranks(local_dir: Path, world_size: int, timeout_s: float, poll_s: float = 0.2) -> None:
+    """Async saves: every rank's writer writes its RNG file last; wait until all are there (each
+    rank writes into the same directory, see check_all_ranks), then check as a synchronous save does."""
+    deadline = time.monotonic() + timeout_s
+    while not all(rng_path(local_dir / TAG, r).is_file() for r in range(world_size)):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(poll_s)
+    check_all_ranks(local_dir, world_size)
 
 
 def check_all_ranks(local_dir: Path, world_size: int) -> None:
@@ -443,16 +460,21 @@ class CheckpointUploader:
         if self._fatal is not None:
             raise self._fatal
 
-    def submit(self, step: int, local_dir: Path, extra: dict[str, Any]) -> None:
+    def submit(self, step: int, local_dir: Path, extra: dict[str, Any],
+               ready: Callable[[], None] | None = None) -> None:
         """Queue a saved checkpoint (waits while `max_pending` are queued: disk is bounded too);
-        raises at once if pushing has failed for good or the lease is lost."""
+        raises at once if pushing has failed for good or the lease is lost. ``ready`` (async
+        saves): called on the upload thread before anything else, returns once every rank's files
+        are complete; only then is the pending marker written, so a crash while the files are
+        still being written leaves nothing that a later attempt would push."""
         self.raise_if_failed()
         _check_lease(self.lease)
         p = Pending(step, local_dir, self.run_uri, self.config, self.inputs, extra)
-        p.write()  # from here a crash leaves it for the next attempt to push
+        if ready is None:
+            p.write()  # from here a crash leaves it for the next attempt to push
         while True:
             try:
-                self._q.put(p, timeout=1.0)
+                self._q.put((p, ready), timeout=1.0)
                 return
             except queue.Full:
                 self.raise_if_failed()
@@ -476,10 +498,19 @@ class CheckpointUploader:
 
         failures = 0
         while True:
-            p = self._q.get()
-            if p is None:
+            item = self._q.get()
+            if item is None:
                 return
+            p, ready = item
             uri = layout.checkpoint_uri(self.run_uri, p.step)
+            if ready is not None:
+                try:
+                    ready()
+                except Exception as e:  # noqa: BLE001 - the files never completed: nothing to push
+                    self._fatal = CheckpointError(f"checkpoint {p.local_dir} was not written completely: {e}")
+                    log.error("checkpoint uploader stops: %s", self._fatal)
+                    return
+                p.write()  # every rank's files are complete: from here a crash leaves it for the next attempt
             while True:
                 try:
                     _check_lease(self.lease)

@@ -100,9 +100,11 @@ class MicroBatches(Iterator):
 
     def __init__(self, shards: ShardSet, *, micro_batch: int, dp_rank: int, dp_size: int, seed: int,
                  shuffle: bool = True, position: int = 0, need_inputs: bool = True, need_labels: bool = True,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", pin_memory: bool = False):
         self.shards, self.mb, self.dp_rank, self.dp_size = shards, micro_batch, dp_rank, dp_size
-        self.seed, self.shuffle, self.device = seed, shuffle, device
+        self.seed, self.shuffle, self.device = seed, shuffle, torch.device(device)
+        # pinned pages let the copy run on the GPU's copy engine while the host queues more work
+        self.pin = pin_memory and self.device.type == "cuda"
         self.need_inputs, self.need_labels = need_inputs, need_labels
         self.per_epoch = shards.num_rows // (micro_batch * dp_size)
         if self.per_epoch == 0:
@@ -129,10 +131,17 @@ class MicroBatches(Iterator):
             for c in self.shards.columns:
                 rows[c].append(arrays[c][r])
         self.position += 1
-        t = {c: torch.from_numpy(np.stack(v)).to(self.device) for c, v in rows.items()}
+        t = {c: torch.from_numpy(np.stack(v)) for c, v in rows.items()}
+        if self.need_labels:  # on the host: a few thousand integers, no device round trip
+            t["targets"] = shift_targets(t.pop("labels"), t["position_ids"])
+        t = {c: self._to_device(v) for c, v in t.items()}
         inputs = (t["input_ids"], t["position_ids"]) if self.need_inputs else None
-        targets = shift_targets(t["labels"], t["position_ids"]) if self.need_labels else None
-        return inputs, targets
+        return inputs, t.get("targets")
+
+    def _to_device(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pin:
+            return x.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device)
 
 
 def split_files(local_root: Path, split: str) -> list[Path]:

@@ -27,11 +27,18 @@ IGNORE_INDEX = -100
 
 
 # ----------------------------------------------------------------------------- varlen attention
-@functools.cache
-def _varlen_api():
-    from torch.nn.attention.varlen import varlen_attn
+_VARLEN_API: tuple | None = None  # (varlen_attn, its parameter names): looked up once, a plain read after
 
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+def _varlen_api():
+    # A module-level value rather than functools.cache: torch.compile traces a global read, while
+    # a cached call (and inspect.signature) would break the compiled layer's graph.
+    global _VARLEN_API
+    if _VARLEN_API is None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        _VARLEN_API = (varlen_attn, frozenset(inspect.signature(varlen_attn).parameters))
+    return _VARLEN_API
 
 
 def varlen_causal_attention(q, k, v, cu_seqlens, max_len: int, scale: float | None, window: int | None = None):
@@ -74,15 +81,22 @@ def torch_varlen_attention_forward(
     sliding_window: int | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     max_length_q: int | None = None,
+    whole_rows: bool = False,
     **kwargs,
 ):
     """transformers attention-interface function: q [B, Hq, S, D], k/v [B, Hkv, S, D] ->
-    ([B, S, Hq, D], None). Needs ``cu_seq_lens_q``/``max_length_q`` (``model.varlen_kwargs``)."""
+    ([B, S, Hq, D], None). Needs ``cu_seq_lens_q``/``max_length_q`` (``model.varlen_kwargs``).
+    ``whole_rows``: every row is one document, so the document mask is the plain causal mask and
+    transformers' SDPA path runs it (cuDNN attention on Hopper, ~1.7x FA2 varlen there)."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError("torch_varlen attention needs cu_seq_lens_q/max_length_q (document boundaries)")
     if dropout:
         raise ValueError("torch_varlen attention does not implement attention dropout")
     batch, heads, seq, dim = query.shape
+    if whole_rows and (sliding_window is None or sliding_window >= seq):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, None, dropout=0.0, scaling=scaling, is_causal=True)
     q = query.transpose(1, 2).reshape(batch * seq, heads, dim)
     k = key.transpose(1, 2).reshape(batch * seq, key.shape[1], dim)
     v = value.transpose(1, 2).reshape(batch * seq, value.shape[1], dim)
@@ -97,6 +111,7 @@ def register_torch_varlen_attention() -> str:
     from transformers import AttentionInterface
 
     AttentionInterface.register(TORCH_VARLEN_ATTENTION, torch_varlen_attention_forward)
+    _varlen_api()  # resolved before any (compiled) forward
     return TORCH_VARLEN_ATTENTION
 
 
@@ -158,19 +173,21 @@ def fused_causal_lm_loss_sum(outputs, targets: torch.Tensor) -> torch.Tensor:
     )
 
 
-def apply_liger(pipeline_module: nn.Module, *, decoder_cls: type, head_cls: type, loss=None) -> dict[str, int]:
+def apply_liger(pipeline_module: nn.Module, *, decoder_cls: type | None, head_cls: type, loss=None) -> dict[str, int]:
     """Swap Liger kernels into the local stage of a built pipeline module (before weights load or
     after: parameters are reused, not copied). ``decoder_cls``/``head_cls`` name the layer types
-    (this module does not import the model); ``loss`` is the stage's ``TokenMeanLoss``, whose
-    summed CE becomes the fused one (None: keep logits). Returns what was swapped, for the log."""
+    (this module does not import the model; ``decoder_cls=None`` leaves the layers and RoPE
+    alone); ``loss`` is the stage's ``TokenMeanLoss``, whose summed CE becomes the fused one
+    (None: keep logits). Returns what was swapped, for the log."""
     from transformers.models.mistral import modeling_mistral
 
     lk = _liger()
-    # RoPE is a module-level function in transformers; the swap applies to this process.
-    modeling_mistral.apply_rotary_pos_emb = lk.rope
+    if decoder_cls is not None:
+        # RoPE is a module-level function in transformers; the swap applies to this process.
+        modeling_mistral.apply_rotary_pos_emb = lk.rope
     swapped = {"rms_norm": 0, "swiglu": 0, "fused_loss": 0}
     for layer in pipeline_module.modules():
-        if isinstance(layer, decoder_cls):
+        if decoder_cls is not None and isinstance(layer, decoder_cls):
             for name in ("input_layernorm", "post_attention_layernorm"):
                 old = getattr(layer, name)
                 setattr(layer, name, FusedRMSNorm(old.weight, old.variance_epsilon))

@@ -17,9 +17,10 @@ def register_attention(backend: str) -> None:
         register_torch_varlen_attention()
 
 
-def apply_fast_kernels(name: str, module: nn.Module, loss=None) -> dict[str, int]:
+def apply_fast_kernels(name: str, module: nn.Module, loss=None, in_layers: bool = True) -> dict[str, int]:
     """Swap the named kernel set into a built pipeline module (``loss``: its TokenMeanLoss, or
-    None to keep materialised logits, e.g. for the parity check)."""
+    None to keep materialised logits, e.g. for the parity check). ``in_layers=False`` keeps the
+    decoder layers as they are (compiled layers: Inductor fuses their norms and activations)."""
     if name not in FAST_KERNELS:
         raise ValueError(f"train.fast_kernels: unknown {name!r}, expected one of {list(FAST_KERNELS)}")
     if name == "none":
@@ -27,4 +28,22 @@ def apply_fast_kernels(name: str, module: nn.Module, loss=None) -> dict[str, int
     from training.fast_kernels import apply_liger
     from training.model import DecoderLayerPipe, LMHeadPipe
 
-    return apply_liger(module, decoder_cls=DecoderLayerPipe, head_cls=LMHeadPipe, loss=loss)
+    return apply_liger(module, decoder_cls=DecoderLayerPipe if in_layers else None, head_cls=LMHeadPipe, loss=loss)
+
+
+def compile_decoder_layers(module: nn.Module) -> int:
+    """Regional compilation (torchtitan's per-block ``torch.compile``): every local decoder layer
+    runs one compiled function of the layer's computation; layers share the graph (parameters are
+    graph inputs), so it compiles once. The context lookup stays eager. Returns the layer count."""
+    import functools
+
+    import torch
+    from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+
+    from training.model import DecoderLayerPipe
+
+    compiled = torch.compile(MistralDecoderLayer.forward, dynamic=False)
+    layers = [m for m in module.modules() if isinstance(m, DecoderLayerPipe)]
+    for layer in layers:
+        layer.block = functools.partial(compiled, layer)
+    return len(layers)

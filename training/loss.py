@@ -64,7 +64,8 @@ class StepBatches:
             return None
         batches = [next(self.source) for _ in range(m)]
         if self.loss is not None:
-            local = sum(count_targets(targets) for _, targets in batches)
+            # one device->host read for the step, not one per micro-batch
+            local = int(torch.stack([(targets != IGNORE_INDEX).sum() for _, targets in batches]).sum()) if batches else 0
             self.loss.begin(self.all_reduce(local), m, self.dp_size)
         return iter(batches)
 

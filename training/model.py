@@ -84,13 +84,19 @@ def flex_document_mask(position_ids: torch.Tensor, sliding_window: int | None = 
     return create_block_mask(mask_mod, batch, None, seq, seq, device=position_ids.device)
 
 
-def varlen_kwargs(position_ids: torch.Tensor) -> dict:
-    """cu_seqlens over the flattened batch (every row start is also a document start)."""
+def varlen_kwargs(position_ids: torch.Tensor, exact_max_len: bool = True) -> dict:
+    """cu_seqlens over the flattened batch (every row start is also a document start).
+    ``exact_max_len=False`` bounds max_seqlen by the row length (no document is longer) instead
+    of reading the longest document back from the GPU: one host sync less per micro-batch; the
+    kernel only sizes its grid by it (tiles past a document's end exit at once)."""
     flat_starts = document_starts(position_ids).reshape(-1)
     total = flat_starts.numel()
-    starts = torch.nonzero(flat_starts).flatten()
+    starts = torch.nonzero(flat_starts).flatten()  # still one sync: the document count sizes cu
     cu = torch.cat([starts, torch.tensor([total], device=starts.device)]).to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max().item())
+    if exact_max_len:
+        max_len = int((cu[1:] - cu[:-1]).max().item())
+    else:
+        max_len = int(position_ids.shape[-1])
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max_len, "max_length_k": max_len}
 
 
@@ -141,10 +147,12 @@ class PackedAttentionContext:
     engine casts the model to bf16.
     """
 
-    def __init__(self, config: MistralConfig, backend: str):
+    def __init__(self, config: MistralConfig, backend: str, sync_free: bool = False, causal_rows_sdpa: bool = False):
         if backend not in ATTENTION_BACKENDS:
             raise ValueError(f"train.attention_backend: unknown {backend!r}, expected one of {sorted(ATTENTION_BACKENDS)}")
         self.backend = backend
+        self.sync_free = sync_free  # train.sync_free_attention
+        self.causal_rows_sdpa = causal_rows_sdpa and backend == "torch_varlen"  # train.causal_rows_sdpa
         self.sliding_window = getattr(config, "sliding_window", None)
         with torch.device("cpu"):
             self.rope = MistralRotaryEmbedding(config=config)
@@ -155,7 +163,10 @@ class PackedAttentionContext:
             return dense_document_mask(position_ids, self.sliding_window), {}
         if self.backend == "flex":
             return flex_document_mask(position_ids, self.sliding_window), {}
-        return None, varlen_kwargs(position_ids)
+        extra = varlen_kwargs(position_ids, exact_max_len=not self.sync_free)
+        if self.causal_rows_sdpa and extra["cu_seq_lens_q"].numel() - 1 == position_ids.shape[0]:
+            extra["whole_rows"] = True  # one document per row: plain causal attention (torch_varlen's SDPA path)
+        return None, extra
 
     def __call__(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple:
         c = self._cache
@@ -198,10 +209,15 @@ class DecoderLayerPipe(MistralDecoderLayer):
         self.hf_prefix = f"model.layers.{layer_idx}."
         self.attention_context = context  # plain object, not a submodule
 
+    def block(self, hidden_states, **kwargs):
+        """The layer's computation without the per-micro-batch context lookup: the seam where
+        ``kernels.compile_decoder_layers`` puts one compiled function shared by every layer."""
+        return MistralDecoderLayer.forward(self, hidden_states, **kwargs)
+
     def forward(self, inputs):
         hidden_states, position_ids = inputs
         mask, position_embeddings, extra = self.attention_context(hidden_states, position_ids)
-        hidden_states = super().forward(
+        hidden_states = self.block(
             hidden_states,
             attention_mask=mask,
             position_ids=position_ids,
@@ -261,11 +277,13 @@ def prepare_hf_config(config: MistralConfig, attention_backend: str, seq_len: in
     return cfg
 
 
-def layer_specs(config: MistralConfig, attention_backend: str) -> list:
+def layer_specs(config: MistralConfig, attention_backend: str, sync_free_attention: bool = False,
+                causal_rows_sdpa: bool = False) -> list:
     """LayerSpecs (built lazily, only on the stage that owns them)."""
     from deepspeed.pipe import LayerSpec
 
-    context = PackedAttentionContext(config, attention_backend)
+    context = PackedAttentionContext(config, attention_backend, sync_free=sync_free_attention,
+                                     causal_rows_sdpa=causal_rows_sdpa)
     return [
         LayerSpec(EmbeddingPipe, config),
         *[LayerSpec(DecoderLayerPipe, config, i, context) for i in range(config.num_hidden_layers)],
@@ -283,6 +301,8 @@ def build_pipeline_module(
     activation_checkpoint_interval: int = 0,
     loss_fn: Callable | None = None,
     device: str | torch.device | None = None,
+    sync_free_attention: bool = False,
+    causal_rows_sdpa: bool = False,
 ):
     """The PipelineModule (needs torch.distributed initialised). Parameters are created directly
     on ``device`` so a stage never holds other stages' layers, nor a CPU copy of its own.
@@ -296,7 +316,7 @@ def build_pipeline_module(
         loss_fn = TokenMeanLoss(causal_lm_loss_sum)
     with torch.device(device or "cpu"):
         module = PipelineModule(
-            layers=layer_specs(config, attention_backend),
+            layers=layer_specs(config, attention_backend, sync_free_attention, causal_rows_sdpa),
             num_stages=num_stages,
             loss_fn=loss_fn,
             partition_method=partition_method,

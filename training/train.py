@@ -15,6 +15,7 @@ publish ``model/`` and ``report/`` under the run. Re-running a finished run is a
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -45,12 +46,17 @@ from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo  # noqa: E402
 from training import checkpoints as ckpt  # noqa: E402
 from training.data import COLUMNS, MicroBatches, ShardSet, columns_for, split_files  # noqa: E402
 from training.flops import ModelShape, flops_per_token  # noqa: E402
-from training.kernels import apply_fast_kernels, register_attention  # noqa: E402
+from training.kernels import apply_fast_kernels, compile_decoder_layers, register_attention  # noqa: E402
 from training.lease import RunLease, attempt_id  # noqa: E402
 from training.loss import StepBatches, TokenMeanLoss  # noqa: E402
 from training.metrics import MetricsLog, peak_tflops, write_report  # noqa: E402
 from training.model import build_pipeline_module, pipe_layers, prepare_hf_config  # noqa: E402
-from training.optim import OptimizerConfigError, build_ds_config, build_optimizer  # noqa: E402
+from training.optim import (  # noqa: E402
+    OptimizerConfigError,
+    build_ds_config,
+    build_optimizer,
+    fuse_hp_grad_accumulation,
+)
 from training.runtime import Settings, resolve_settings  # noqa: E402
 
 log = logging.getLogger("training.train")
@@ -350,9 +356,11 @@ class Trainer:
         # Long transfers wait on this CPU group, whose timeout is sized to them; the NCCL group
         # keeps its short timeout for compute collectives.
         self.io_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=t.io_timeout_s))
-        log.info("settings: precision=%s attention_backend=%s fast_kernels=%s grad_accum_dtype=%s device=%s",
+        log.info("settings: precision=%s attention_backend=%s fast_kernels=%s grad_accum_dtype=%s device=%s "
+                 "compile_layers=%s sync_free_attention=%s pin_memory=%s async_checkpoint=%s",
                  self.settings.precision, self.settings.attention_backend, self.settings.fast_kernels,
-                 t.grad_accum_dtype if self.settings.bf16 else "fp32", device)
+                 t.grad_accum_dtype if self.settings.bf16 else "fp32", device, t.compile_layers,
+                 t.sync_free_attention, t.pin_memory, t.async_checkpoint)
         torch.manual_seed(t.seed)
         np.random.seed(t.seed)
         random.seed(t.seed)
@@ -362,17 +370,31 @@ class Trainer:
             plan.hf_config, num_stages=plan.stages, partition_method=t.partition_method,
             attention_backend=self.settings.attention_backend,
             activation_checkpoint_interval=t.activation_checkpoint_interval, device=device,
+            sync_free_attention=t.sync_free_attention, causal_rows_sdpa=t.causal_rows_sdpa,
         )
         self.loss: TokenMeanLoss = pipe.loss_fn
-        swapped = apply_fast_kernels(self.settings.fast_kernels, pipe, loss=self.loss)
+        swapped = apply_fast_kernels(self.settings.fast_kernels, pipe, loss=self.loss, in_layers=not t.compile_layers)
         if swapped:
             log.info("stage %d: fast kernels %s: %s", pipe.stage_id, self.settings.fast_kernels, swapped)
+        if t.compile_layers:
+            log.info("stage %d: %d decoder layers compiled (one shared graph)", pipe.stage_id,
+                     compile_decoder_layers(pipe))
         n = load_stage_weights(pipe_layers(pipe), self.model_dir)
         log.info("stage %d: loaded %d base tensors from %s", pipe.stage_id, n, self.model_dir)
         optimizer = build_optimizer(pipe, plan.ds_config, device)
         ds = {k: v for k, v in plan.ds_config.items() if k != "optimizer"}  # the client optimizer is used
         engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=ds)
         self.engine, self.optimizer = engine, optimizer
+        self.ckpt_writer = None
+        if t.async_checkpoint:  # saves snapshot to host memory; files are written in the background
+            from training.async_save import SnapshotCheckpointEngine
+
+            self.ckpt_writer = SnapshotCheckpointEngine(engine._config, pin_memory=device.type == "cuda")
+            engine.checkpoint_engine = self.ckpt_writer
+        if t.fused_grad_accumulation and self.settings.bf16 and t.grad_accum_dtype == "fp32":
+            fused = fuse_hp_grad_accumulation(engine.optimizer)
+            log.info("fp32 gradient accumulation: immediate, %s", "one mixed-dtype add per parameter" if fused
+                     else "DeepSpeed's own add (its BF16 optimizer is not the one the fused add was written for)")
         self.role = Role(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(),
                          stage=engine.stage_id, first=engine.is_first_stage(), last=engine.is_last_stage(),
                          dp_rank=engine.grid.get_data_parallel_rank(),
@@ -474,7 +496,7 @@ class Trainer:
                               columns_for(role.first, role.last))
             source = MicroBatches(shards, micro_batch=t.micro_batch_size, dp_rank=role.dp_rank, dp_size=role.dp_size,
                                   seed=t.seed, position=position, need_inputs=role.first, need_labels=role.last,
-                                  device=role.device)
+                                  device=role.device, pin_memory=t.pin_memory)
         return StepBatches(source, self.loss if role.last else None, micro_batches=t.gradient_accumulation_steps,
                            dp_size=role.dp_size, dp_group=self.engine.grid.get_data_parallel_group(),
                            device=role.device)
@@ -518,6 +540,8 @@ class Trainer:
                 state.evals.append(self.evaluate(step))
             if step % t.checkpoint_every == 0 or step == t.steps:
                 self._save_checkpoint(step, step * t.gradient_accumulation_steps)
+        if self.ckpt_writer is not None:
+            self.ckpt_writer.flush()  # this rank's checkpoint files are on disk before eval/export
         state.summary.update(train_time_s=time.time() - train_t0, steps_run=t.steps - state.start_step,
                              skipped_steps=bad.total, tokens_per_step=tokens_per_step,
                              flops_per_token=fpt)
@@ -617,17 +641,33 @@ class Trainer:
         import torch.distributed as dist
 
         local = self.plan.staging / "checkpoints" / f"step-{step}"
+        writer = self.ckpt_writer
+        if writer is not None:
+            writer.flush()  # one checkpoint in host memory at a time (normally written long ago)
         self.engine.save_checkpoint(str(local), tag=ckpt.TAG, save_latest=False,
                                     client_state={"step": step, "data_position": position})
-        ckpt.save_rng(local / ckpt.TAG, self.role.rank)
+        if writer is not None:  # async: the RNG file, this rank's completion marker, goes last
+            writer.after(functools.partial(ckpt.save_rng, local / ckpt.TAG, self.role.rank, ckpt.rng_state()))
+        else:
+            ckpt.save_rng(local / ckpt.TAG, self.role.rank)
         if self.metrics is not None:
             shutil.copy(self.metrics.csv_path, local / ckpt.TAG / "metrics.csv")
             if self.metrics.eval_path.exists():
                 shutil.copy(self.metrics.eval_path, local / ckpt.TAG / "eval.csv")
+        if writer is not None:
+            if self.uploader is not None:  # the upload thread waits for every rank's files, then pushes
+                self.uploader.submit(step, local, {"data_position": position},
+                                     ready=functools.partial(self._checkpoint_written, local))
+            return
         dist.barrier()  # every rank's files are on disk before the push starts
         if self.uploader is not None:
             ckpt.check_all_ranks(local, self.plan.world_size)
             self.uploader.submit(step, local, {"data_position": position})  # raises once pushing failed for good
+
+    def _checkpoint_written(self, local: Path) -> None:
+        """On the upload thread: this rank's writer is done and every rank's marker is there."""
+        self.ckpt_writer.flush()
+        ckpt.wait_for_all_ranks(local, self.plan.world_size, timeout_s=self.t.io_timeout_s)
 
     def _export(self) -> Path:
         """Every stage's dp-rank-0 writes its shard; rank 0 adds index/config/tokenizer."""
