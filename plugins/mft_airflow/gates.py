@@ -13,8 +13,8 @@ is left alone and the task says so: the link is in XCom and the approval request
 when `release.require_approval` is set (the `require_approval` param; off by default, so scheduled
 runs never wait). It shows the report's headline numbers and link in the Required Actions UI;
 "Reject" skips train and publish, and the decision (who, when, the reason typed in the form) is
-written to `runs/<run_id>/approval.json` and returned in XCom. The provider operator is built
-inside `execute` / `execute_complete`: importing it costs ~0.2 s on every DAG parse.
+written to `runs/<run_id>/approval.json` and returned in XCom. It subclasses the provider's
+operator (no operator nested inside another: the Task SDK warns about that in the task log).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import json
 from datetime import datetime
 from typing import Any
 
+from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import BaseOperator, BaseOperatorLink
-from airflow.sdk.bases.skipmixin import SkipMixin
 from airflow.sdk.exceptions import AirflowSkipException
 
 from plugins.mft_airflow.run_plan import RunPlan
@@ -161,20 +161,23 @@ def gate_text(plan: RunPlan, report: dict[str, Any] | None) -> tuple[str, str]:
     return subject, body
 
 
-class ApprovalGateOperator(BaseOperator, SkipMixin):
-    """Approve / Reject before training, when `release.require_approval` is set."""
+class ApprovalGateOperator(ApprovalOperator):
+    """Approve / Reject before training, when `release.require_approval` is set: the provider's own
+    operator (its `execute` waits for the human, its `execute_complete` validates the answer and,
+    on Reject, skips everything downstream); this subclass only fills in the subject and body from
+    the run's data report and records the decision."""
 
     ui_color = "#fde2e2"
 
-    def _approval(self, plan: RunPlan, report: dict[str, Any] | None):
-        from airflow.providers.standard.operators.hitl import ApprovalOperator
+    def __init__(self, **kwargs: Any) -> None:
         from airflow.sdk import Param
 
-        subject, body = gate_text(plan, report)
-        return ApprovalOperator(
-            task_id=self.task_id, subject=subject, body=body, ignore_downstream_trigger_rules=True,
+        kwargs.setdefault("subject", "Approve training")
+        kwargs.pop("params", None)  # the form asks for the reason only (DAG-level params are not the human's input)
+        super().__init__(
+            ignore_downstream_trigger_rules=True,  # Reject skips train and publish, whatever their trigger rules
             params={REASON: Param("", type="string", title="Reason", description="Why (kept with the decision)")},
-        )
+            **kwargs)
 
     def _report(self, context: Any) -> dict[str, Any] | None:
         return context["ti"].xcom_pull(task_ids=REPORT_TASK_ID)
@@ -187,23 +190,18 @@ class ApprovalGateOperator(BaseOperator, SkipMixin):
             raise AirflowSkipException("no training in this run; nothing to approve")
         if not load_plan_config(plan).release.require_approval:
             raise AirflowSkipException("release.require_approval is off: training needs no approval")
-        return self._approval(plan, self._report(context)).execute(context)  # waits for a human
+        self.subject, self.body = gate_text(plan, self._report(context))
+        return super().execute(context)  # writes the request, waits for a human
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> Any:
         from plugins.mft_airflow.plan import load_plan_config
 
         plan = _plan(context)
-        approval = self._approval(plan, self._report(context))
         chosen = (event.get("chosen_options") or [None])[0]
-        record = approval_record(plan, event, approved=chosen == approval.APPROVE)
+        record = approval_record(plan, event, approved=chosen == self.APPROVE)
         write_approval(plan.run_uri, record, load_plan_config(plan).storage)
         self.log.info("approval: %s", json.dumps(record))
-        approval.execute_complete(context, event)  # validates the response like the provider does
-        if not record["approved"]:
-            # the provider skips its own downstream; the inner operator has none, this task does
-            downstream = [t for t in context["task"].get_flat_relatives(upstream=False) if not t.is_teardown]
-            self.log.info("rejected: skipping %s", sorted(t.task_id for t in downstream))
-            self.skip(ti=context["ti"], tasks=downstream)
+        super().execute_complete(context, event)  # validates; on Reject skips the downstream tasks
         return record
 
 
