@@ -121,3 +121,17 @@ def store_root(request, tmp_path, monkeypatch):
     for k, v in S3_CREDENTIALS.items():  # requested dynamically: `_s3_credentials` could not see it
         monkeypatch.setenv(k, v)
     return f"s3://{server.new_bucket()}", server.storage
+
+
+def checkpoint_run(s3_server, tmp_path: Path) -> dict:
+    """A run prefix on the S3 server with a committed input artifact (the checkpoint tests' setting)."""
+    from pipeline_core.artifacts import publish_artifact
+
+    store = f"s3://{s3_server.new_bucket()}"
+    inp = tmp_path / "input"
+    (inp / "data" / "train").mkdir(parents=True)
+    (inp / "data" / "train" / "part-0.parquet").write_bytes(b"tokens")
+    input_uri = uris.join(store, "datasets/v/train/abc")
+    publish_artifact(inp, input_uri, kind="train-ready", storage=s3_server.storage)
+    return {"run": uris.join(store, "runs", "r1"), "input": input_uri, "storage": s3_server.storage,
+            "staging": tmp_path / "staging" / "runs" / "r1"}

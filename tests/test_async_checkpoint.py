@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline_core import layout, uris
-from pipeline_core.artifacts import fetch_artifact, publish_artifact, read_manifest
+from pipeline_core import layout
+from pipeline_core.artifacts import fetch_artifact, read_manifest
 from pipeline_core.config import StorageSection, load_config
+from tests.conftest import checkpoint_run
 from tests.fault_proxy import FaultProxy
 from training import checkpoints as ckpt
 from training.async_save import SnapshotCheckpointEngine
@@ -30,14 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def run(s3_server, tmp_path):
-    store = f"s3://{s3_server.new_bucket()}"
-    inp = tmp_path / "input"
-    (inp / "data" / "train").mkdir(parents=True)
-    (inp / "data" / "train" / "part-0.parquet").write_bytes(b"tokens")
-    input_uri = uris.join(store, "datasets/v/train/abc")
-    publish_artifact(inp, input_uri, kind="train-ready", storage=s3_server.storage)
-    return {"run": uris.join(store, "runs", "r1"), "input": input_uri, "storage": s3_server.storage,
-            "staging": tmp_path / "staging" / "runs" / "r1"}
+    return checkpoint_run(s3_server, tmp_path)
 
 
 def _wait(cond, what: str, timeout_s: float = 60.0) -> None:

@@ -17,6 +17,7 @@ from pipeline_core import layout, uris
 from pipeline_core.artifacts import publish_artifact, read_latest, read_manifest
 from pipeline_core.config import StorageSection, load_config
 from pipeline_core.store import open_store
+from tests.conftest import checkpoint_run
 from tests.fault_proxy import FaultProxy
 from training import checkpoints as ckpt
 from training.lease import LeaseHeld, LeaseLost, RunLease
@@ -30,15 +31,7 @@ def _cfg_json(**train) -> dict:
 
 @pytest.fixture
 def run(s3_server, tmp_path):
-    """A run prefix on the S3 server with a committed input artifact."""
-    store = f"s3://{s3_server.new_bucket()}"
-    inp = tmp_path / "input"
-    (inp / "data" / "train").mkdir(parents=True)
-    (inp / "data" / "train" / "part-0.parquet").write_bytes(b"tokens")
-    input_uri = uris.join(store, "datasets/v/train/abc")
-    publish_artifact(inp, input_uri, kind="train-ready", storage=s3_server.storage)
-    return {"run": uris.join(store, "runs", "r1"), "input": input_uri, "storage": s3_server.storage,
-            "staging": tmp_path / "staging" / "runs" / "r1"}
+    return checkpoint_run(s3_server, tmp_path)
 
 
 def _save(staging: Path, attempt: str, step: int, world: int = 2, salt: bytes = b"") -> Path:
