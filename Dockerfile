@@ -41,6 +41,10 @@ ARG TORCH_VARIANT=cu130
 ARG TORCH_VERSION=2.13.0
 # PyTorch's index for the variant; CI points this at a loopback mirror of the local CPU wheel.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
+# The wheel's local version label on PyTorch's index. PyPI's torch 2.13.0 for linux x86_64 is the
+# same CUDA 13.0 build without a label: where only PyPI is reachable, build cu130 with
+# TORCH_INDEX_URL=https://pypi.org/simple and an empty TORCH_LOCAL_VERSION (deploy/image/build.sh).
+ARG TORCH_LOCAL_VERSION=+${TORCH_VARIANT}
 ARG UV_VERSION=0.13.8
 
 ENV VIRTUAL_ENV=/opt/venv \
@@ -67,7 +71,7 @@ RUN --mount=type=cache,target=/root/.cache/uv \
  && /opt/uv/bin/pip install --no-cache-dir --disable-pip-version-check "uv==${UV_VERSION}" \
  && ln -s /opt/uv/bin/uv /usr/local/bin/uv \
  && uv venv --python /usr/local/bin/python3.11 /opt/venv \
- && uv pip install --no-deps --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}+${TORCH_VARIANT}" \
+ && uv pip install --no-deps --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}${TORCH_LOCAL_VERSION}" \
  && if [[ "${TORCH_VARIANT}" != cpu ]]; then \
       uv pip install --no-deps --require-hashes -r /tmp/req/lock-cuda.txt; \
     else \
