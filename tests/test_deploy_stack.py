@@ -29,8 +29,6 @@ from tests._deploy_support import (
     image_under_test,
 )
 
-pytestmark = pytest.mark.skipif(image_under_test() is None, reason="needs a built image: make image-test")
-
 CI_FILE = REPO / "docker-compose.ci.yaml"
 PROJECT = "mft-ci"
 PORTS = ("API", "PG", "S3", "SPARK", "SPARK_UI", "SPARK_WORKER_UI", "SCHEDULER_HEALTH")
@@ -46,6 +44,8 @@ CONF = {
 # generous: on the shared 2-core machine at load 20-35 the stack took 4-10 min to become healthy
 UP_TIMEOUT_S = int(os.environ.get("MFT_STACK_UP_TIMEOUT_S", "1800"))
 RUN_TIMEOUT_S = int(os.environ.get("MFT_STACK_RUN_TIMEOUT_S", "3600"))
+pytestmark = [pytest.mark.skipif(image_under_test() is None, reason="needs a built image: make image-test"),
+              pytest.mark.timeout(UP_TIMEOUT_S + RUN_TIMEOUT_S + 1200)]  # + compose up/down, parsing
 
 
 class Stack:
