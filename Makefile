@@ -12,7 +12,7 @@ export TOKENIZERS_PARALLELISM := false
 export DS_ACCELERATOR := cpu
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 
-.PHONY: venv test demo lint lock clean image image-test
+.PHONY: venv test demo lint lock clean image image-test image-cuda image-cuda-test
 
 venv: $(STAMP)
 
@@ -45,6 +45,14 @@ image:
 
 image-test: $(STAMP)
 	nice -n 10 deploy/image/test.sh $(PYTEST_ARGS)
+
+# The GPU variant (TORCH_VARIANT=cu130, torch's CUDA wheels from PyPI) as mft:ci-cu130; its test
+# runs on a host without a GPU: the CUDA build imports and its libraries load.
+image-cuda:
+	MFT_TORCH_VARIANT=cu130 nice -n 10 deploy/image/build.sh
+
+image-cuda-test: $(STAMP)
+	MFT_TORCH_VARIANT=cu130 nice -n 10 deploy/image/test.sh $(PYTEST_ARGS)
 
 # Re-resolve the pinned set from requirements/base.in (run on a machine of the target kind).
 lock:

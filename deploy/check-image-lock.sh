@@ -10,7 +10,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 uv="${UV:-uv}"
 command -v "${uv}" >/dev/null || { echo "needs uv (pip install uv)" >&2; exit 2; }
 arg() { sed -n "s/^ARG $1=\"\{0,1\}\([^\"]*\)\"\{0,1\}$/\1/p" "${root}/Dockerfile" | head -1; }
-python_version="$(arg PYTHON_VERSION)"
+# the image's exact CPython (the base's tag, python:X.Y.Z-…): packages may require a patch level
+python_version="$(arg BASE_IMAGE | sed -n 's/^python:\([0-9][0-9.]*[0-9]\)-.*/\1/p')"
 torch_version="$(arg TORCH_VERSION)"
 exclude="$(grep -o "grep -v -E '[^']*'" "${root}/Dockerfile" | head -1 | sed "s/^grep -v -E '//; s/'\$//")"
 [[ -n "${python_version}" && -n "${torch_version}" && -n "${exclude}" ]] || { echo "cannot read the Dockerfile" >&2; exit 2; }

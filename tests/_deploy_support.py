@@ -189,18 +189,23 @@ def image_under_test() -> str | None:
     return os.environ.get("MFT_TEST_IMAGE") or None
 
 
+def cuda_image_under_test() -> str | None:
+    """The GPU variant `make image-cuda-test` built (MFT_TEST_CUDA_IMAGE); None where none was built."""
+    return os.environ.get("MFT_TEST_CUDA_IMAGE") or None
+
+
 def docker_cli() -> str:
     """The Docker CLI deploy/image/lib.sh chose (DOCKER), else `docker` on PATH."""
     return os.environ.get("DOCKER") or shutil.which("docker") or "docker"
 
 
 def run_in_image(argv: list[str], *, volumes: dict[Path, str] | None = None, env: dict[str, str] | None = None,
-                 network: str = "none", user: str | None = None,
+                 network: str = "none", user: str | None = None, image: str | None = None,
                  timeout: int = 600) -> subprocess.CompletedProcess[str]:
     """`docker run --rm` of the image under test: no network unless asked (host networking at most,
     never a bridge), the image's own user unless asked."""
     assert network in ("none", "host"), "containers here use --network none or host only"
-    image = image_under_test()
+    image = image or image_under_test()
     assert image, "no image under test (MFT_TEST_IMAGE)"
     name = f"mft-test-{os.getpid()}-{next(_run_ids)}"
     cmd = [docker_cli(), "run", "--rm", "--name", name, "--network", network]

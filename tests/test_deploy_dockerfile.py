@@ -83,7 +83,8 @@ def test_torch_variant_matches_the_cuda_lock():
     cpu_torch = lock_pins(REPO / "requirements" / "lock.txt")["torch"]
     assert cpu_torch.split("+")[0] == args["TORCH_VERSION"]
     run = " ".join(rest for instr, rest in dockerfile_instructions() if instr == "RUN")
-    assert '"torch==${TORCH_VERSION}+${TORCH_VARIANT}"' in run
+    assert args["TORCH_LOCAL_VERSION"] == "+${TORCH_VARIANT}"
+    assert '"torch==${TORCH_VERSION}${TORCH_LOCAL_VERSION}"' in run
 
 
 def test_cuda_lock_is_hashed_and_disjoint_from_main_lock():

@@ -115,12 +115,15 @@ def test_settings_and_variables_exist(doc):
     for dotted in re.findall(r'"(train|filter|enrich|pipeline|storage)\.([a-z_]+)"', doc):
         assert dotted[1] in sections[dotted[0]].annotation.model_fields, ".".join(dotted)
     compose_text = COMPOSE_FILE.read_text()
+    # the image scripts' and image tests' own knobs (MFT_TORCH_VARIANT, MFT_STACK_*_TIMEOUT_S, ...)
+    image_tooling = "".join(p.read_text() for p in (*(REPO / "deploy" / "image").glob("*.sh"),
+                                                    *(REPO / "tests").glob("test_deploy_*.py")))
     env_names = set(env_example())
     for var in set(re.findall(r"`((?:MFT|AIRFLOW|MINIO|AWS|SPARK_WORKER|TRAIN|POSTGRES)_[A-Z0-9_]+)`", doc)):
         if "__" in var:  # MFT__ / MFT_DEPLOY__ / AIRFLOW__: checked against their classes above
             continue
-        assert var in env_names or var in compose_text or var in dockerfile_args(), (
-            f"{var} is not in .env.example, docker-compose.yaml or the Dockerfile's ARGs")
+        assert var in env_names or var in compose_text or var in dockerfile_args() or var in image_tooling, (
+            f"{var} is not in .env.example, docker-compose.yaml, the Dockerfile's ARGs or the image scripts")
 
 
 def test_build_arguments_exist(doc):

@@ -29,18 +29,23 @@ from tests._deploy_support import (
     image_under_test,
 )
 
-pytestmark = pytest.mark.skipif(image_under_test() is None, reason="needs a built image: make image-test")
-
 CI_FILE = REPO / "docker-compose.ci.yaml"
 PROJECT = "mft-ci"
 PORTS = ("API", "PG", "S3", "SPARK", "SPARK_UI", "SPARK_WORKER_UI", "SCHEDULER_HEALTH")
+# the e2e test's tiny run (tests/test_dag_e2e.py): whole conversations of the sample fit in 512
+# tokens; training is the deployment's `local` launcher on CPU (MFT_LAUNCHER in the env file)
 CONF = {
-    "dataset_version": "ci", "base_model": "tiny", "launcher": "local", "steps": 2, "seq_len": 128,
-    "config_overrides": {"train.precision": "fp32", "train.micro_batch_size": 2,
-                         "train.gradient_accumulation_steps": 2, "train.warmup_steps": 1,
-                         "enrich.shuffle_partitions": 2, "filter.shuffle_partitions": 2},
+    "dataset_version": "ci", "base_model": "tiny", "steps": 2, "seq_len": 512, "learning_rate": 1e-3,
+    "config_overrides": {"train.precision": "fp32", "train.micro_batch_size": 1,
+                         "train.gradient_accumulation_steps": 1, "train.warmup_steps": 1,
+                         "train.checkpoint_every": 1, "train.keep_last": 1, "train.eval_batches": 1,
+                         "enrich.shuffle_partitions": 2},
 }
-RUN_TIMEOUT_S = int(os.environ.get("MFT_STACK_RUN_TIMEOUT_S", "2400"))
+# generous: on the shared 2-core machine at load 20-35 the stack took 4-10 min to become healthy
+UP_TIMEOUT_S = int(os.environ.get("MFT_STACK_UP_TIMEOUT_S", "1800"))
+RUN_TIMEOUT_S = int(os.environ.get("MFT_STACK_RUN_TIMEOUT_S", "3600"))
+pytestmark = [pytest.mark.skipif(image_under_test() is None, reason="needs a built image: make image-test"),
+              pytest.mark.timeout(UP_TIMEOUT_S + RUN_TIMEOUT_S + 1200)]  # + compose up/down, parsing
 
 
 class Stack:
@@ -85,7 +90,7 @@ class Stack:
                                      data=None if body is None else json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json",
                                               **({"Authorization": f"Bearer {token}"} if token else {})})
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=60) as r:
             return json.loads(r.read() or b"{}")
 
     def logs(self) -> str:
@@ -136,7 +141,7 @@ def _wait_healthy(stack: Stack, deadline: float) -> None:
 
 
 def test_stack_runs_the_dag_through_the_rest_api_and_leaves_nothing_behind(stack):
-    _wait_healthy(stack, time.monotonic() + 900)
+    _wait_healthy(stack, time.monotonic() + UP_TIMEOUT_S)
     # no bridge: every service shares the host's network namespace, nothing was created
     assert _leftovers()["networks"] == [], "compose created a network"
     # every listening socket of the stack is on loopback
@@ -159,18 +164,31 @@ def test_stack_runs_the_dag_through_the_rest_api_and_leaves_nothing_behind(stack
         except urllib.error.HTTPError as e:
             assert e.code == 404 and time.monotonic() < deadline, f"DAG not parsed: {e}\n{stack.logs()}"
             time.sleep(5)
+    # every component heartbeats (the CI override checks the DAG processor and triggerer here,
+    # not with their CLI health checks)
+    health = stack.api("GET", "/api/v2/monitor/health")
+    for component in ("metadatabase", "scheduler", "dag_processor", "triggerer"):
+        assert health[component]["status"] == "healthy", health
     errors = stack.api("GET", "/api/v2/importErrors", token=token)
     assert errors["total_entries"] == 0, errors
     stack.api("PATCH", "/api/v2/dags/mistral_finetune", {"is_paused": False}, token=token)
     run = stack.api("POST", "/api/v2/dags/mistral_finetune/dagRuns", {"logical_date": None, "conf": CONF}, token=token)
 
     deadline = time.monotonic() + RUN_TIMEOUT_S
+    state = "queued"
     while True:
-        state = stack.api("GET", f"/api/v2/dags/mistral_finetune/dagRuns/{run['dag_run_id']}", token=token)["state"]
+        try:
+            state = stack.api("GET", f"/api/v2/dags/mistral_finetune/dagRuns/{run['dag_run_id']}", token=token)["state"]
+        except (TimeoutError, ConnectionError, urllib.error.URLError) as e:  # an API server busy on 2 shared cores
+            if isinstance(e, urllib.error.HTTPError) and e.code not in (502, 503, 504):
+                raise
         if state in ("success", "failed"):
             break
         assert time.monotonic() < deadline, f"run still {state} after {RUN_TIMEOUT_S}s\n{stack.logs()}"
         time.sleep(10)
+    # the stack schedules nothing of its own (no nightly run on unpause): the one run is the test's
+    runs = stack.api("GET", "/api/v2/dags/mistral_finetune/dagRuns", token=token)["dag_runs"]
+    assert [r["dag_run_id"] for r in runs] == [run["dag_run_id"]], runs
     tasks = stack.api("GET", f"/api/v2/dags/mistral_finetune/dagRuns/{run['dag_run_id']}/taskInstances", token=token)
     summary = {t["task_id"]: t["state"] for t in tasks["task_instances"]}
     assert state == "success", f"run {state}: {summary}\n{stack.logs()}"

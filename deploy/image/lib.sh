@@ -11,7 +11,8 @@ if [[ -z "${DOCKER:-}" ]]; then
   if ! docker buildx version >/dev/null 2>&1 && [[ -x /usr/bin/docker ]]; then DOCKER=/usr/bin/docker; fi
 fi
 export DOCKER
-MFT_IMAGE="${MFT_IMAGE:-mft:ci}"
+# the CPU image by default; MFT_TORCH_VARIANT=cu130 builds the GPU variant under its own name
+if [[ "${MFT_TORCH_VARIANT:-cpu}" == cpu ]]; then MFT_IMAGE="${MFT_IMAGE:-mft:ci}"; else MFT_IMAGE="${MFT_IMAGE:-mft:ci-${MFT_TORCH_VARIANT}}"; fi
 MFT_BASE_IMAGE="${MFT_BASE_IMAGE:-mft-base:bookworm}"
 state="${MFT_IMAGE_STATE:-${root}/.cache/image}"
 mkdir -p "${state}"
