@@ -59,6 +59,7 @@ def write_vectors(path: Path, n: int, rows_per_topic: int, seed: int, chunk: int
         v = unit(centres[t] + rng.normal(0, 0.045, (m, 2, DIM)))
         twin = rng.random(m) < 0.1
         twin[0] = False
+        twin[1:] &= ~twin[:-1]  # never a twin of a twin: row i is planted against row i-1's final vector
         idx = np.nonzero(twin)[0]
         c = rng.uniform(0.90, 0.99, len(idx))
         for h in range(2):
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows-per-topic", type=int, default=200)
     ap.add_argument("--recall-sample", type=int, default=2000)
     ap.add_argument("--master", default="local[2]")
+    ap.add_argument("--driver-memory", default="6g", help="local mode: the JVM heap (1g fails at 250 k rows)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     res: dict = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -133,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "recall_at_threshold": round(lsh_candidate_probability(a.threshold, s.bands, s.rows_per_band, 2), 4),
                                     "old_defaults_mean_bucket": round(n / 2**16, 1),
                                     "bucket_rows": s.bands * n})
-    spark = spark_session("dedup-bench", a.master, 8, {"spark.ui.enabled": "false",
+    spark = spark_session("dedup-bench", a.master, 8, {"spark.ui.enabled": "false", "spark.driver.memory": a.driver_memory,
                                                         "spark.sql.execution.arrow.maxRecordsPerBatch": "4096"})
     with tempfile.TemporaryDirectory(prefix="dedup-bench-") as tmp:
         for n in [int(x) for x in a.sizes.split(",")]:

@@ -1,15 +1,20 @@
 """Sentence-transformers embeddings for Spark executors (shared by enrich and filter), on CPU or GPU.
 
-`Encoder.encode(texts)` is what the Spark UDFs call: unit-length float32 vectors, one row per
-text. What it does, and why it is faster than `SentenceTransformer.encode`:
-- identical texts are embedded once (per call, plus a bounded carry-over from the previous calls
-  of the same partition, where enrich sorts records by question so repeats are adjacent);
-- tokenisation runs in the Rust fast tokenizer, `tokenizer_threads` windows at a time in worker
-  threads (it releases the GIL), while the device computes the previous window;
-- batches are length-bucketed under a token budget (`batch_tokens` padded tokens), not a fixed
-  row count, so short sentences are not padded to the longest answer;
-- on a GPU the model runs in fp16/bf16 and results stay on the device until the call's end (no
-  synchronisation per batch);
+`Encoder.encode_batches(batches)` is what the Spark iterator UDFs call (`encode(texts)` for one
+batch): unit-length float32 vectors, one row per text. What it does, and why it is faster than
+`SentenceTransformer.encode`:
+- identical texts are embedded once (per batch, plus a bounded carry-over from the previous batches
+  of the same partition, batches still in flight included: enrich sorts records by question, so a
+  question's repeats are adjacent);
+- the batches stream: batch k+1 is tokenised (Rust fast tokenizer, `tokenizer_threads` threads; it
+  releases the GIL) while the device runs batch k, whose vectors are copied back into pinned memory
+  while the device runs batch k+1: one wait per batch, none per forward;
+- token ids go to the device once per window as one flat int32 array; each forward's padded ids
+  and mask are gathered there, so the host only sorts lengths and cuts batches;
+- batches are length-bucketed under a token budget (`batch_tokens` padded tokens) and, once big
+  enough to keep the GPU busy, end before padding exceeds 10%, so short sentences are not padded
+  to the longest answer;
+- on a GPU the model runs in fp16/bf16;
 - texts longer than the model's window are embedded as chunks (`long_text="chunk_mean"`) and
   their vector is the token-weighted mean of the chunk vectors, re-normalised; "truncate" keeps
   sentence-transformers' behaviour (the first window only).
@@ -30,9 +35,9 @@ import functools
 import itertools
 import logging
 import os
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,7 +51,10 @@ Precision = Literal["auto", "fp32", "fp16", "bf16"]
 LongText = Literal["truncate", "chunk_mean"]
 CPU_BATCH_TOKENS = 8192  # padded tokens per forward on a CPU: bigger buys nothing, costs cache
 GPU_BATCH_TOKENS = 131072  # fills an H100/H200 with a 6-layer MiniLM
-_WINDOW_TEXTS = 8192  # texts tokenised together; the next window is tokenised while this one runs
+_WINDOW_TEXTS = 8192  # texts length-sorted together (more = tighter buckets, later first forward)
+_TASK_TEXTS = 512  # texts per tokenisation task (a thread's unit)
+MIN_BATCH_TOKENS = 32768  # below this a forward is launch-bound on a GPU: pad rather than split
+MAX_PAD_SHARE = 0.1  # above MIN_BATCH_TOKENS, a batch ends before padding exceeds this share
 
 
 @dataclass(frozen=True)
@@ -145,7 +153,7 @@ class _Segments:
     """Model rows of one window as flat arrays (no per-row Python lists): row i is
     prefix + flat[start[i] : start[i] + length[i]] + suffix; `owner[i]` is its text."""
 
-    flat: np.ndarray  # every text's content ids, concatenated
+    flat: np.ndarray  # every text's content ids (int32), concatenated
     start: np.ndarray
     length: np.ndarray
     owner: np.ndarray
@@ -154,8 +162,61 @@ class _Segments:
         return len(self.start)
 
 
+def _encode_flat(tok, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """(all content ids concatenated as int32, ids per text). The Rust tokenizer releases the GIL;
+    reading each Encoding's ids into numpy holds it."""
+    encs = tok.encode_batch_fast(texts, add_special_tokens=False)
+    lens = np.fromiter((len(e) for e in encs), dtype=np.int64, count=len(encs))
+    flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), dtype=np.int32, count=int(lens.sum()))
+    return flat, lens
+
+
+class _Tokenisation:
+    """Where texts are tokenised: inline, or in `workers` threads (`submit` -> Future of `_encode_flat`'s
+    result). Threads parallelise the Rust part, which releases the GIL. (Worker processes were measured
+    slower on one H200, 23.4 k vs 61.9 k texts/s: the driving process spends its GIL on their results.)"""
+
+    def __init__(self, tok, workers: int):
+        self._tok = tok
+        self._pool = ThreadPoolExecutor(workers) if workers > 1 else None
+        self.workers = workers
+
+    def submit(self, texts: list[str]) -> Future:
+        if self._pool is not None:
+            return self._pool.submit(_encode_flat, self._tok, texts)
+        done: Future = Future()
+        done.set_result(_encode_flat(self._tok, texts))
+        return done
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(slots=True)
+class _Slot:
+    """A carried-over text's vector: filled when the batch that embeds it is collected."""
+
+    vec: np.ndarray | None = None
+
+
+@dataclass
+class _Job:
+    """One batch of texts on its way through tokenise -> forward -> copy back."""
+
+    n: int
+    pos: np.ndarray  # text -> its distinct text
+    n_uniq: int
+    todo: np.ndarray  # distinct texts embedded by this job
+    reused: list[tuple[int, _Slot]]  # distinct texts whose vector comes from an earlier job
+    slots: list[tuple[int, _Slot]]  # this job's texts offered to later jobs (the carry-over)
+    parts: list[tuple[int, Future]]  # tokenisation tasks: (texts, future)
+    host: object = None  # the job's vectors, copied to (pinned) host memory
+    ready: object = None  # CUDA event of that copy
+
+
 class Encoder:
-    """One model on one device with its tokenizer; `encode` is the UDFs' entry point."""
+    """One model on one device with its tokenizer; `encode` / `encode_batches` are the UDFs' entry points."""
 
     def __init__(self, spec: EmbeddingSpec):
         import tokenizers
@@ -174,86 +235,108 @@ class Encoder:
         self.batch_tokens = spec.batch_tokens or (GPU_BATCH_TOKENS if on_gpu else CPU_BATCH_TOKENS)
         self.window = int(self.model.max_seq_length or 512)
         # A copy of the fast tokenizer without padding or truncation: lengths first, then our own batches.
-        self._tok = tokenizers.Tokenizer.from_str(self.model.tokenizer.backend_tokenizer.to_str())
-        self._tok.no_padding()
-        self._tok.no_truncation()
-        self.prefix, self.suffix = _special_wrap(self._tok)
+        tok = tokenizers.Tokenizer.from_str(self.model.tokenizer.backend_tokenizer.to_str())
+        tok.no_padding()
+        tok.no_truncation()
+        self.prefix, self.suffix = _special_wrap(tok)
         self.room = max(1, self.window - len(self.prefix) - len(self.suffix))  # content tokens per row
         self.pad_id = int(self.model.tokenizer.pad_token_id or 0)
         self.dim = int((getattr(self.model, "get_embedding_dimension", None)
                         or self.model.get_sentence_embedding_dimension)())
-        self._carry: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._pool = ThreadPoolExecutor(spec.tokenizer_threads) if spec.tokenizer_threads > 1 else None
-        self._prefetch = ThreadPoolExecutor(1)  # tokenises the next window while the device runs this one
+        # on the device once: a copy from pageable memory inside the loop would wait for queued work
+        self._special_ids = (torch.tensor(self.prefix, dtype=torch.int32, device=self.device),
+                             torch.tensor(self.suffix, dtype=torch.int32, device=self.device))
+        self._carry: OrderedDict[str, _Slot] = OrderedDict()
+        self._tokenise = _Tokenisation(tok, spec.tokenizer_threads)
+
+    def close(self) -> None:
+        self._tokenise.close()
 
     # ----------------------------------------------------------------- public
     def encode(self, texts: Sequence[str]) -> np.ndarray:
         """Unit-length float32 vectors, one row per text (identical texts embedded once)."""
-        out = np.empty((len(texts), self.dim), dtype=np.float32)
-        if len(texts) == 0:
-            return out
+        return next(self.encode_batches([texts]))
+
+    def encode_batches(self, batches: Iterable[Sequence[str]]) -> Iterator[np.ndarray]:
+        """`encode` of each batch, in order, pipelined: the next batch is tokenised while the device runs
+        this one, and its vectors are copied back while the device runs the next (one wait per batch)."""
+        started: deque[_Job] = deque()
+        launched: deque[_Job] = deque()
+        for texts in batches:
+            started.append(self._start(list(texts)))
+            if len(started) > 1:
+                launched.append(self._launch(started.popleft()))
+                if len(launched) > 1:
+                    yield self._collect(launched.popleft())
+        while started:
+            launched.append(self._launch(started.popleft()))
+        while launched:
+            yield self._collect(launched.popleft())
+
+    # ----------------------------------------------------------------- internals
+    def _start(self, texts: list[str]) -> _Job:
+        """Distinct texts, carry-over lookups, and tokenisation submitted (does not wait)."""
         index: dict[str, int] = {}
         pos = np.fromiter((index.setdefault(t, len(index)) for t in texts), dtype=np.int64, count=len(texts))
         uniq = list(index)
-        vecs = np.empty((len(uniq), self.dim), dtype=np.float32)
-        todo = []
+        todo, reused = [], []
         for i, t in enumerate(uniq):
-            v = self._carry.get(t)
-            if v is None:
+            slot = self._carry.get(t)
+            if slot is None:
                 todo.append(i)
             else:
-                vecs[i] = v
-        if todo:
-            vecs[todo] = self._embed_unique([uniq[i] for i in todo])
-            self._remember(uniq, todo, vecs)
-        out[:] = vecs[pos]
-        return out
+                reused.append((i, slot))
+        slots = []
+        if self.spec.carry_texts > 0:
+            for i in todo[-self.spec.carry_texts:]:
+                slot = _Slot()
+                self._carry[uniq[i]] = slot
+                slots.append((i, slot))
+            while len(self._carry) > self.spec.carry_texts:
+                self._carry.popitem(last=False)
+        todo_texts = [uniq[i] for i in todo]
+        step = _TASK_TEXTS if self._tokenise.workers > 1 else max(1, len(todo_texts))
+        parts = [(len(p), self._tokenise.submit(p))
+                 for p in (todo_texts[k : k + step] for k in range(0, len(todo_texts), step))]
+        return _Job(len(texts), pos, len(uniq), np.asarray(todo, dtype=np.int64), reused, slots, parts)
 
-    # ----------------------------------------------------------------- internals
-    def _remember(self, uniq: list[str], todo: list[int], vecs: np.ndarray) -> None:
-        if self.spec.carry_texts <= 0:
-            return
-        for i in todo[-self.spec.carry_texts:]:
-            self._carry[uniq[i]] = vecs[i]
-        while len(self._carry) > self.spec.carry_texts:
-            self._carry.popitem(last=False)
-
-    def _embed_unique(self, texts: list[str]) -> np.ndarray:
+    def _launch(self, job: _Job) -> _Job:
+        """The job's forward passes queued on the device, then its copy back (does not wait for either)."""
         import torch
 
-        windows = [texts[i : i + _WINDOW_TEXTS] for i in range(0, len(texts), _WINDOW_TEXTS)]
-        result = torch.empty((len(texts), self.dim), dtype=torch.float32, device=self.device)
-        done = 0
-        for window, segments in zip(windows, self._tokenised(windows), strict=True):
-            result[done : done + len(window)] = self._forward_window(segments, len(window))
-            done += len(window)
-        return result.cpu().numpy()  # the one synchronisation of the call
+        result = torch.empty((len(job.todo), self.dim), dtype=torch.float32, device=self.device)
+        done, k = 0, 0
+        while k < len(job.parts):
+            group, texts = [], 0  # tokenised parts up to a window: length-bucketed together
+            while k < len(job.parts) and (not group or texts + job.parts[k][0] <= _WINDOW_TEXTS):
+                group.append(job.parts[k][1].result())
+                texts += job.parts[k][0]
+                k += 1
+            flat = np.concatenate([g[0] for g in group]) if len(group) > 1 else group[0][0]
+            lens = np.concatenate([g[1] for g in group]) if len(group) > 1 else group[0][1]
+            result[done : done + texts] = self._forward_window(self._chunk(flat, lens), texts)
+            done += texts
+        job.parts = []
+        if self.device.startswith("cuda"):
+            job.host = torch.empty(result.shape, dtype=torch.float32, pin_memory=True)
+            job.host.copy_(result, non_blocking=True)
+            job.ready = torch.cuda.Event()
+            job.ready.record()
+        else:
+            job.host = result
+        return job
 
-    def _tokenised(self, windows: list[list[str]]) -> Iterator[_Segments]:
-        """Segments per window; with worker threads, window k+1 is tokenised while k runs."""
-        if self._pool is None:
-            yield from (self._segments(w) for w in windows)
-            return
-        ahead = [self._prefetch.submit(self._segments, w) for w in windows[:2]]
-        for k in range(len(windows)):
-            if k + 2 < len(windows):
-                ahead.append(self._prefetch.submit(self._segments, windows[k + 2]))
-            yield ahead[k].result()
-
-    def _segments(self, texts: list[str]) -> _Segments:
-        if self._pool is None or len(texts) < 256:
-            return self._chunk(*self._encode_flat(texts))
-        step = -(-len(texts) // self.spec.tokenizer_threads)
-        parts = list(self._pool.map(self._encode_flat, [texts[i : i + step] for i in range(0, len(texts), step)]))
-        return self._chunk(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
-
-    def _encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(all content ids concatenated, ids per text). The Rust tokenizer releases the GIL, so
-        threads tokenise in parallel."""
-        encs = self._tok.encode_batch_fast(texts, add_special_tokens=False)
-        lens = np.fromiter((len(e) for e in encs), dtype=np.int64, count=len(encs))
-        flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encs), dtype=np.int64, count=int(lens.sum()))
-        return flat, lens
+    def _collect(self, job: _Job) -> np.ndarray:
+        if job.ready is not None:
+            job.ready.synchronize()
+        embedded = job.host.numpy()
+        vecs = np.empty((job.n_uniq, self.dim), dtype=np.float32)
+        vecs[job.todo] = embedded
+        for i, slot in job.reused:  # earlier jobs are collected first (FIFO), so their slots are filled
+            vecs[i] = slot.vec
+        for i, slot in job.slots:
+            slot.vec = vecs[i].copy()
+        return vecs[job.pos]
 
     def _chunk(self, flat: np.ndarray, lens: np.ndarray) -> _Segments:
         """One model row per text, or (chunk_mean) one per window-sized chunk of a long text, at most
@@ -270,37 +353,53 @@ class Encoder:
         length = np.clip(lens[owner] - k * room, 0, room)
         return _Segments(flat, start, length, owner)
 
+    def _batches(self, total: np.ndarray, order: np.ndarray) -> Iterator[tuple[int, int]]:
+        """[start, end) ranges of `order` (rows sorted by length): at most batch_tokens padded tokens and
+        max_batch_rows rows; once a batch holds MIN_BATCH_TOKENS, it also ends before padding would
+        exceed MAX_PAD_SHARE (short rows are not padded to a much longer neighbour)."""
+        lens = total[order]
+        start, n = 0, len(order)
+        while start < n:
+            end, real = start + 1, int(lens[start])
+            while end < n and end - start < self.spec.max_batch_rows:
+                width = int(lens[end])
+                padded = width * (end - start + 1)
+                if padded > self.batch_tokens:
+                    break
+                if real >= MIN_BATCH_TOKENS and (real + width) < (1 - MAX_PAD_SHARE) * padded:
+                    break
+                real += width
+                end += 1
+            yield start, end
+            start = end
+
     def _forward_window(self, seg: _Segments, n_texts: int):
+        """Vectors of a window's texts. The flat ids go to the device once; each batch's padded ids and
+        mask are gathered there from (start, length), so the host only sorts and cuts batches."""
         import torch
 
         p, q = len(self.prefix), len(self.suffix)
         total = seg.length + p + q
         order = np.argsort(total, kind="stable")
         rows = torch.empty((len(seg), self.dim), dtype=torch.float32, device=self.device)  # in `order`
-        prefix, suffix = np.asarray(self.prefix, np.int64), np.asarray(self.suffix, np.int64)
-        start = 0
+        flat = self._to_device(seg.flat if len(seg.flat) else np.zeros(1, np.int32))
+        starts, lengths = self._to_device(seg.start[order]), self._to_device(seg.length[order])
+        prefix, suffix = self._special_ids
+        last = len(flat) - 1
         with torch.inference_mode():
-            while start < len(order):
-                # length-bucketed: rows sorted by length, as many as fit the padded-token budget
-                fit = self.batch_tokens // max(1, int(total[order[min(len(order) - 1, start)]]))
-                end = min(len(order), start + max(1, min(self.spec.max_batch_rows, fit)))
-                while end - start > 1 and int(total[order[end - 1]]) * (end - start) > self.batch_tokens:
-                    end = start + max(1, self.batch_tokens // int(total[order[end - 1]]))
-                batch = order[start:end]
-                width = int(total[batch].max())
-                cols = np.arange(width, dtype=np.int64)[None, :]
-                ln = seg.length[batch][:, None]
-                content = (cols >= p) & (cols < p + ln)
-                src = np.minimum(seg.start[batch][:, None] + cols - p, max(0, len(seg.flat) - 1))
-                ids = np.where(content, seg.flat[src] if len(seg.flat) else 0, self.pad_id)
+            for b0, b1 in self._batches(total, order):
+                width = int(total[order[b1 - 1]])
+                cols = torch.arange(width, device=self.device)[None, :]
+                ln = lengths[b0:b1, None]
+                src = (starts[b0:b1, None] + cols - p).clamp_(0, last)
+                ids = torch.where((cols >= p) & (cols < p + ln), flat[src], self.pad_id)
                 if p:
                     ids[:, :p] = prefix
-                for j in range(q):
-                    ids[np.arange(len(batch)), p + ln[:, 0] + j] = suffix[j]
-                mask = (cols < total[batch][:, None]).astype(np.int64)
-                feats = {"input_ids": self._to_device(ids), "attention_mask": self._to_device(mask)}
-                rows[start:end] = self.model.forward(feats)["sentence_embedding"].float()
-                start = end
+                for j in range(q):  # suffix right after each row's content
+                    ids.scatter_(1, ln + p + j, suffix[j].expand(b1 - b0, 1))
+                mask = (cols < ln + p + q).to(torch.int64)
+                feats = {"input_ids": ids.to(torch.int64), "attention_mask": mask}
+                rows[b0:b1] = self.model.forward(feats)["sentence_embedding"].float()
         # back to segment order with one gather (no per-batch index copies, which would synchronise)
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))
@@ -315,7 +414,7 @@ class Encoder:
     def _to_device(self, a: np.ndarray):
         import torch
 
-        t = torch.from_numpy(a)
+        t = torch.from_numpy(np.ascontiguousarray(a))
         if self.device.startswith("cuda"):
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
@@ -361,16 +460,27 @@ def embedding_dim(name: str | EmbeddingSpec, threads: int = 0) -> int:
 
 
 def embed_udf(name: str | EmbeddingSpec, batch_size: int = 64, threads: int = 0):
-    """A Spark pandas UDF: string column -> array<float> unit vector (null text -> null)."""
+    """A Spark pandas UDF: string column -> array<float> unit vector (null text -> null); an iterator
+    UDF, so the Encoder tokenises the next Arrow batch while it embeds this one."""
     from pyspark.sql.functions import pandas_udf
 
     @pandas_udf("array<float>")
-    def _embed(texts: pd.Series) -> pd.Series:
-        mask = texts.notna()
-        out = pd.Series([None] * len(texts), index=texts.index, dtype=object)
-        if mask.any():
-            vecs = encode(texts[mask].tolist(), name, batch_size, threads)
-            out[mask] = list(vecs)
-        return out
+    def _embed(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
+        spec = name if isinstance(name, EmbeddingSpec) else EmbeddingSpec(model=name, max_batch_rows=batch_size,
+                                                                          threads=threads)
+        pending: deque[pd.Series] = deque()
+
+        def texts() -> Iterator[list[str]]:
+            for b in batches:
+                pending.append(b)
+                yield b[b.notna()].tolist()
+
+        for vecs in get_encoder(spec).encode_batches(texts()):
+            b = pending.popleft()
+            out = pd.Series([None] * len(b), index=b.index, dtype=object)
+            mask = b.notna()
+            if mask.any():
+                out[mask] = list(vecs)
+            yield out
 
     return _embed

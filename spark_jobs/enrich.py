@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd  # module level: pandas_udf resolves its type hints in this module
@@ -113,12 +114,30 @@ def normalise_udf(e: EnrichSection):
 def score_batch(questions: Sequence[str], answers: Sequence[str], contexts: Sequence[Sequence[str]],
                 e: EnrichSection, threads: int) -> list[dict[str, Any]]:
     """Embed a batch's questions, answers and context sentences in one batched encode, then score."""
-    from spark_jobs.embeddings import encode, spec_for
+    return next(score_batches(iter([(questions, answers, contexts)]), e, threads))
 
-    contexts = [list(c) if c is not None else [] for c in contexts]
-    n = len(questions)
-    vecs = encode([*questions, *answers, *(s for c in contexts for s in c)], spec_for(e, threads))
+
+def score_batches(batches: Iterator[tuple[Sequence[str], Sequence[str], Sequence[Sequence[str]]]],
+                  e: EnrichSection, threads: int) -> Iterator[list[dict[str, Any]]]:
+    """score_batch of each (questions, answers, contexts) batch, in order, through the Encoder's
+    stream: the next batch is tokenised while the device embeds this one."""
+    from spark_jobs.embeddings import get_encoder, spec_for
+
+    pending: deque[tuple[int, list[list[str]]]] = deque()
+
+    def texts() -> Iterator[list[str]]:
+        for questions, answers, contexts in batches:
+            ctx = [list(c) if c is not None else [] for c in contexts]
+            pending.append((len(questions), ctx))
+            yield [*questions, *answers, *(s for c in ctx for s in c)]
+
     params = ScoringParams(e.top_k, e.relevance_threshold, e.question_weight, e.answer_weight)
+    for vecs in get_encoder(spec_for(e, threads)).encode_batches(texts()):
+        n, contexts = pending.popleft()
+        yield _score_rows(vecs, n, contexts, params)
+
+
+def _score_rows(vecs, n: int, contexts: list[list[str]], params: ScoringParams) -> list[dict[str, Any]]:
     rows, off = [], 2 * n
     for i, ctx in enumerate(contexts):
         q, a, s = vecs[i], vecs[n + i], vecs[off : off + len(ctx)]
@@ -138,8 +157,10 @@ def score_udf(e: EnrichSection, threads: int):
             "context_question_scores", "question_embedding", "answer_embedding"]
 
     @pandas_udf(SCORES_SCHEMA)
-    def _score(question: pd.Series, answer: pd.Series, context: pd.Series) -> pd.DataFrame:
-        return pd.DataFrame(score_batch(question.tolist(), answer.tolist(), context.tolist(), e, threads), columns=cols)
+    def _score(batches: Iterator[tuple[pd.Series, pd.Series, pd.Series]]) -> Iterator[pd.DataFrame]:
+        lists = ((q.tolist(), a.tolist(), c.tolist()) for q, a, c in batches)
+        for rows in score_batches(lists, e, threads):
+            yield pd.DataFrame(rows, columns=cols)
 
     return _score
 

@@ -65,6 +65,32 @@ def test_identical_texts_are_embedded_once_across_calls():
         enc.model.forward = forward
 
 
+def test_stream_equals_plain_encode_with_carry_over_in_flight(plain_model):
+    """encode_batches with tokenisation in 2 threads: each batch's vectors equal plain encode's, and a
+    text repeated in the next batch (still in flight when that batch starts) is embedded once."""
+    a, b, c = texts(40), texts(60)[40:], ["long " * 600, *texts(70)[60:]]
+    batches = [a + a[:5], a[30:] + b, b[:10] + c]
+    enc = Encoder(EmbeddingSpec(long_text="truncate", threads=1, tokenizer_threads=2,
+                                max_batch_rows=16, batch_tokens=600, carry_texts=100))
+    rows = []
+    forward = enc.model.forward
+
+    def counting(features):
+        rows.append(int(features["input_ids"].shape[0]))
+        return forward(features)
+
+    enc.model.forward = counting
+    try:
+        got = list(enc.encode_batches(iter(batches)))
+    finally:
+        enc.model.forward = forward
+        enc.close()
+    for batch, vecs in zip(batches, got, strict=True):
+        want = plain_model.encode(batch, batch_size=32, normalize_embeddings=True, convert_to_numpy=True)
+        assert vecs.shape == want.shape and np.abs(vecs - want).max() < 1e-5
+    assert sum(rows) == 40 + 20 + 11  # distinct texts over the three batches, each embedded once
+
+
 def test_half_precision_on_cpu_is_refused():
     with pytest.raises(ValueError, match="fp16 is for GPUs"):
         Encoder(EmbeddingSpec(precision="fp16", device="cpu", threads=1))
