@@ -9,8 +9,8 @@
 3. LATEST moves when new <= current + `release.promote_tolerance`, when there is no current
    model, or when `release.force_promote` is set; and then only forward (`pointers.advance`:
    a run with an older order key never replaces a newer one).
-The decision, with both numbers, is returned (and written by the caller into the run summary
-and the run's `promotion.json`).
+The decision, with both numbers, is returned; the caller (`plugins/mft_airflow/summary.py`)
+writes it into the run's `pipeline_summary.json` (`promotion`) and the publish task's XCom.
 """
 
 from __future__ import annotations
