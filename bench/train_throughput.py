@@ -496,7 +496,7 @@ def setup_trainer(args, device: Device):
         "train.pin_memory": bool(args.pin_memory), "train.async_checkpoint": bool(args.async_checkpoint),
         "train.causal_rows_sdpa": bool(args.causal_rows_sdpa), "train.fused_grad_accumulation": bool(args.fused_accum),
     })
-    plan = train.make_plan(cfg, input_uri, uris.join(cfg.pipeline.store_uri, "runs", "bench-run"),
+    plan = train.make_plan(cfg, input_uri, uris.join(cfg.pipeline.store_uri, "runs", f"bench-{args.label or 'run'}"),  # one run per row: rows never share checkpoints
                            world, device.cuda)
     trainer = train.Trainer(plan)
     trainer.setup(train.RunState(t0=time.time()))
