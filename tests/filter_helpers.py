@@ -132,7 +132,9 @@ KEEP = [
 ]
 # Paraphrases of KEEP records: exactly one of each pair survives (the smaller key).
 NEAR = {
-    "n-france": ("k-france", Rec("n-france", "Which city is the capital of France?", "Paris is the capital city of France.")),
+    # same context as k-france: near duplicates are searched among records of one context (filter_rows.context_key)
+    "n-france": ("k-france", Rec("n-france", "Which city is the capital of France?", "Paris is the capital city of France.",
+                                 relevant=["France is a country in Western Europe.", "Its government sits in Paris."])),
     "n-reverse": ("k-reverse", Rec("n-reverse", "What is the way to reverse a Python list?",
                                    "You can use slicing, my_list[::-1], which returns a reversed copy, or my_list.reverse() "
                                    "which reverses it in place.", category="code")),
