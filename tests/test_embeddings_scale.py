@@ -4,6 +4,8 @@ as chunk means, identical texts embedded once, invalid settings refused."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -44,9 +46,10 @@ def test_chunk_mean_sees_the_end_of_long_texts():
     assert np.abs(in_chunks - Encoder(EmbeddingSpec(long_text="truncate", threads=1)).encode(short)).max() < 1e-6
 
 
-def test_identical_texts_are_embedded_once_across_calls():
-    enc = Encoder(EmbeddingSpec(threads=1, carry_texts=100))
-    rows = []
+@contextlib.contextmanager
+def counted_rows(enc: Encoder):
+    """The model rows each forward of `enc` computes (a list filled while the block runs)."""
+    rows: list[int] = []
     forward = enc.model.forward
 
     def counting(features):
@@ -55,14 +58,20 @@ def test_identical_texts_are_embedded_once_across_calls():
 
     enc.model.forward = counting
     try:
+        yield rows
+    finally:
+        enc.model.forward = forward
+
+
+def test_identical_texts_are_embedded_once_across_calls():
+    enc = Encoder(EmbeddingSpec(threads=1, carry_texts=100))
+    with counted_rows(enc) as rows:
         t = texts(30)
         first = enc.encode(t + t[:10])
         assert sum(rows) == 30  # 40 texts, 30 distinct
         second = enc.encode(t[:10] + texts(35)[30:])
         assert sum(rows) == 35  # the 10 repeats come from the carry-over, 5 new ones are embedded
         assert np.array_equal(first[:10], second[:10])
-    finally:
-        enc.model.forward = forward
 
 
 def test_stream_equals_plain_encode_with_carry_over_in_flight(plain_model):
@@ -72,18 +81,10 @@ def test_stream_equals_plain_encode_with_carry_over_in_flight(plain_model):
     batches = [a + a[:5], a[30:] + b, b[:10] + c]
     enc = Encoder(EmbeddingSpec(long_text="truncate", threads=1, tokenizer_threads=2,
                                 max_batch_rows=16, batch_tokens=600, carry_texts=100))
-    rows = []
-    forward = enc.model.forward
-
-    def counting(features):
-        rows.append(int(features["input_ids"].shape[0]))
-        return forward(features)
-
-    enc.model.forward = counting
     try:
-        got = list(enc.encode_batches(iter(batches)))
+        with counted_rows(enc) as rows:
+            got = list(enc.encode_batches(iter(batches)))
     finally:
-        enc.model.forward = forward
         enc.close()
     for batch, vecs in zip(batches, got, strict=True):
         want = plain_model.encode(batch, batch_size=32, normalize_embeddings=True, convert_to_numpy=True)
