@@ -115,8 +115,9 @@ def find_near_duplicates(
     `vec` holds the concatenated unit-norm question and answer embeddings; with `group`, only rows of
     the same group value can be near duplicates (a bucket is (band, code, group))."""
     sig = _signature_udf(bands, rows_per_band, seed)
-    grp = F.col(group) if group else F.lit(0).cast("long")
-    buckets = df.select(F.col(key), grp.alias("_group"), F.posexplode(sig(F.col(vec))).alias("_band", "_code"))
+    from spark_jobs.dedup_recall import group_column
+
+    buckets = df.select(F.col(key), group_column(group).alias("_group"), F.posexplode(sig(F.col(vec))).alias("_band", "_code"))
     w = Window.partitionBy("_band", "_code", "_group")
     buckets = (
         buckets.withColumn("_n", F.count(F.lit(1)).over(w))

@@ -43,13 +43,20 @@ def _truth_batches(batches: Iterator[pd.DataFrame], sample_keys: np.ndarray, sam
         yield pd.DataFrame({"_sample_key": sample_keys[hit]})
 
 
+def group_column(group: str | None):
+    """The near-duplicate group of a row as a long column: `group`'s value, or one group for all rows."""
+    from pyspark.sql import functions as F
+
+    return (F.col(group) if group else F.lit(0)).cast("long")
+
+
 def measure_recall(df, found, *, key: str, vec: str, threshold: float, rows: int, sample: int, seed: int,
                    group: str | None = None) -> RecallEstimate:
     """`found`: the method's output (one row per dropped key, column `key`); `group` as in
     dedup.near_duplicates (a duplicate must share the sampled row's group)."""
     from pyspark.sql import functions as F
 
-    df = df.select(key, vec, (F.col(group).cast("long") if group else F.lit(0).cast("long")).alias("_group"))
+    df = df.select(key, vec, group_column(group).alias("_group"))
     cut = max(1, math.ceil(_SAMPLE_BUCKETS * min(sample, rows) / max(rows, 1)))
     pick = (df.where(F.pmod(F.xxhash64(F.col(key), F.lit(seed)), F.lit(_SAMPLE_BUCKETS)) < cut)
             .toPandas().sort_values(key))

@@ -141,8 +141,9 @@ def find_near_duplicates_clustered(df, *, key: str, vec: str, threshold: float, 
 
     clustering = fit_clusters(df, key=key, vec=vec, rows=rows, s=s)
     centroids, probes, margin = clustering.centroids, s.probes, s.probe_margin
-    grp = F.col(group).cast("long") if group else F.lit(0).cast("long")
-    assigned = df.select(key, "id", grp.alias("_group"), vec).mapInPandas(
+    from spark_jobs.dedup_recall import group_column
+
+    assigned = df.select(key, "id", group_column(group).alias("_group"), vec).mapInPandas(
         lambda it: assign_batches(it, centroids, key, vec, probes, margin), ASSIGN_SCHEMA)
     pairs = assigned.groupBy("_cluster").applyInPandas(lambda pdf: pairs_in_cluster(pdf, threshold), PAIR_SCHEMA)
     best = pairs.groupBy("_key").agg(F.min(F.struct("_lkey", "_lid", "_sim")).alias("_m"))
