@@ -28,6 +28,7 @@ from airflow.sdk.serde import deserialize
 from pipeline_core import uris
 from pipeline_core.artifacts import read_manifest, verify_artifact
 from plugins.mft_airflow.operators import StageResult  # noqa: F401  (registers the plan for deserialization)
+from plugins.mft_airflow.report_views import report_view_url
 from plugins.mft_airflow.run_plan import RunPlan
 from tests.conftest import free_port
 from tests.dag_helpers import BIN, DAG_ID, REPO, PostgresCluster, airflow, airflow_env, init_db
@@ -217,6 +218,13 @@ def test_rest_trigger_as_authenticated_user(stack):
     assert yaml.safe_load(open(plan.config_file))["enrich"]["relevance_threshold"] == 0.25
     m = read_manifest(plan.enriched_uri)
     assert m is not None and m.counts["in"] == stack.source_rows
+    # the served data report (plugins/mft_reports_plugin.py) asks Airflow who may read the run's
+    # report first: anonymous or forged → refused; a viewer is told this run has none (no data_report)
+    view = report_view_url(stack.url, DAG_ID, "ui-trigger-1")
+    assert anon.get(view, timeout=30).status_code == 401
+    assert _api(stack, "not-a-jwt").get(view, timeout=30).status_code in (401, 403)
+    none = viewer.get(view, timeout=30)
+    assert none.status_code == 404 and "has no data report" in none.text, none.text
 
 
 def test_backfill_two_dates_two_dataset_versions(stack):

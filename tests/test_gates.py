@@ -43,3 +43,17 @@ def test_run_note_links_the_report_keeps_a_written_note_and_is_not_repeated():
     assert kept.startswith("checked by ana\n\n") and kept.endswith(note)
     assert run_note(kept, REPORT) is None  # a retry of data_report adds nothing
     assert len(run_note("x" * NOTE_MAX_CHARS, REPORT)) <= NOTE_MAX_CHARS  # the API refuses longer notes
+
+
+def test_links_open_the_api_servers_copy_of_the_report_when_there_is_one():
+    """The store's URI stays the text; a browser follows the API server's route for the run's report
+    (plugins/mft_airflow/report_views.py) when `[api] base_url` gave one."""
+    from plugins.mft_airflow.report_views import report_view_url
+
+    view = report_view_url("http://airflow.example:8080/", "mistral_finetune", "manual__2026-01-01T02:00:00+00:00")
+    assert view == ("http://airflow.example:8080/mft-reports/mistral_finetune/"
+                    "manual__2026-01-01T02%3A00%3A00%2B00%3A00/data/index.html")
+    served = {**REPORT, "view": view}
+    assert f"[{REPORT['page']}]({view})" in run_note(None, served)
+    assert f"[{REPORT['page']}]({view})" in gate_text(PLAN, served)[1]
+    assert f"[{REPORT['page']}]({REPORT['page']})" in run_note(None, {**REPORT, "view": None})

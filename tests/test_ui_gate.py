@@ -28,6 +28,7 @@ import yaml
 from pipeline_core import uris
 from pipeline_core.artifacts import read_manifest
 from pipeline_core.pointers import read_pointer
+from plugins.mft_airflow.report_views import report_view_url
 from reports.data_report import report_page_uri, report_uri
 from tests.browser import browser_page, keep_screenshot, require_chromium
 from tests.conftest import free_port
@@ -162,7 +163,9 @@ def _gated_run(server, art, run_id: str, choice: str, reason: str, tmp_path):
         page_uri = report_page_uri(read_manifest(report_uri(art.train_ready_uri)))
         assert page_uri in detail["body"]
         note = server.run(ti["dag_run_id"])["note"] or ""  # set by data_report, before the gate waits
-        assert f"[{page_uri}]({page_uri})" in note, note
+        view = report_view_url(server.url, DAG_ID, ti["dag_run_id"])
+        assert f"[{page_uri}]({view})" in note, note  # the store's URI as text, the API server's copy as target
+        _open_served_report(server, ti["dag_run_id"], view, page_uri, tmp_path)
         _show_request(server, ti, detail["subject"], tmp_path)
         r = server.http.patch(
             f"{server.url}/api/v2/dags/{DAG_ID}/dagRuns/{ti['dag_run_id']}/taskInstances/approve/-1/hitlDetails",
@@ -178,6 +181,31 @@ def _gated_run(server, art, run_id: str, choice: str, reason: str, tmp_path):
     states = airflow(["tasks", "states-for-dag-run", DAG_ID, ti["dag_run_id"], "-o", "json"], server.env, timeout=300)
     rows = json.loads(states.stdout[states.stdout.index("["):])
     return {row["task_id"]: row["state"] for row in rows}, out
+
+
+def _open_served_report(server, run_id: str, view: str, page_uri: str, tmp_path: Path) -> None:
+    """The note's link is served by the plugin (plugins/mft_reports_plugin.py): byte for byte the
+    committed page, only files of the run's committed report; and the run's "Data report" tab
+    shows it in the UI."""
+    committed = uris.to_local_path(page_uri).read_bytes()
+    r = server.http.get(view, timeout=60)
+    assert r.status_code == 200 and r.content == committed and r.headers["content-type"].startswith("text/html")
+    # (who may read it is checked where users sign in: tests/test_dag_server.py; here all are admins)
+    base = view.rsplit("/data/", 1)[0]
+    for path in ("_manifest.json", "data/%2E%2E/_manifest.json", "data/nothing.html"):
+        assert server.http.get(f"{base}/{path}", timeout=30).status_code == 404, path  # only the listed files
+    other = report_view_url(server.url, DAG_ID, "no-such-run")
+    assert server.http.get(other, timeout=30).status_code == 404
+    with browser_page(1400, 1100) as page:
+        run = quote(run_id, safe="")
+        page.goto(f"{server.url}/dags/{DAG_ID}/runs/{run}/plugin/data-report", wait_until="networkidle",
+                  timeout=180_000)
+        frame = page.frame_locator("iframe").first
+        frame.get_by_role("heading", name="Data report", exact=False).first.wait_for(state="visible",
+                                                                                     timeout=120_000)
+        charts = frame.locator("img")
+        assert charts.count() >= 5
+        keep_screenshot(page, "data-report-tab.png", tmp_path, full_page=False)
 
 
 def _show_request(server, ti: dict, subject: str, tmp_path: Path) -> None:

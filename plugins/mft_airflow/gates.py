@@ -2,7 +2,9 @@
 
 `DataReportOperator` runs the report stage (`reports.data_report.build`) in the worker: it reads
 committed artifacts only and commits `datasets/<version>/report/<id>/`; its XCom (and the task's
-"Data report" extra link) name the page, and so does the DAG run's note. The Task SDK (Execution
+"Data report" extra link) name the page, and so does the DAG run's note. A browser cannot open the
+store's URI, so the links point at the API server's route for the run's report
+(`report_views.py`, Airflow's `[api] base_url`) and the run page has a "Data report" tab. The Task SDK (Execution
 API) can set a note only on a run it triggers, not on its own, so the note goes through the public
 REST API (`PATCH /api/v2/dags/<dag>/dagRuns/<run>?update_mask=note`) with the deployment's HTTP
 connection `mft_airflow_api` (host = the API server's base URL; login/password of a user allowed to
@@ -27,11 +29,11 @@ from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import BaseOperator, BaseOperatorLink
 from airflow.sdk.exceptions import AirflowSkipException
 
+from plugins.mft_airflow.report_views import REPORT_TASK_ID, report_view_url
 from plugins.mft_airflow.run_plan import RunPlan
 
 APPROVAL_RECORD = "approval.json"
 REASON = "reason"
-REPORT_TASK_ID = "data_report"
 API_CONN_ID = "mft_airflow_api"
 NOTE_MARK = "**Data report**"
 NOTE_MAX_CHARS = 1000  # Airflow's dag_run_note.content is String(1000); the API refuses longer notes
@@ -49,8 +51,8 @@ class DataReportLink(BaseOperatorLink):
     def get_link(self, operator: BaseOperator, *, ti_key: Any) -> str:
         from airflow.sdk.execution_time.xcom import XCom
 
-        value = XCom.get_value(ti_key=ti_key, key="return_value")
-        return (value or {}).get("page") or ""
+        value = XCom.get_value(ti_key=ti_key, key="return_value") or {}
+        return value.get("view") or value.get("page") or ""
 
 
 class DataReportOperator(BaseOperator):
@@ -75,9 +77,10 @@ class DataReportOperator(BaseOperator):
             raise AirflowSkipException(f"no train-ready artifact at {plan.train_ready_uri} to report on")
         m = build(plan.train_ready_uri, storage=storage)
         self._lineage = ([plan.train_ready_uri], [(m.uri, m)])
-        out = {"uri": m.uri, "page": report_page_uri(m), "headline": m.extra.get("headline")}
-        self.log.info("data report: %s", out["page"])
         dag_run = context["dag_run"]
+        out = {"uri": m.uri, "page": report_page_uri(m), "headline": m.extra.get("headline"),
+               "view": _view_url(dag_run.dag_id, dag_run.run_id)}
+        self.log.info("data report: %s (in a browser: %s)", out["page"], out["view"] or "set [api] base_url")
         note = run_note(getattr(dag_run, "note", None), out)
         if note is not None:
             set_run_note(self.api_conn_id, dag_run.dag_id, dag_run.run_id, note, self.log)
@@ -90,6 +93,20 @@ class DataReportOperator(BaseOperator):
         return lineage(*self._lineage) if getattr(self, "_lineage", None) else None
 
 
+def _view_url(dag_id: str, run_id: str) -> str | None:
+    """The report's address in a browser (the plugin's route on the API server), when Airflow's
+    `[api] base_url` says where users reach the UI; None otherwise (the links name the store URI)."""
+    from airflow.sdk.configuration import conf
+
+    base = conf.get("api", "base_url", fallback=None)
+    return report_view_url(base, dag_id, run_id) if base else None
+
+
+def _report_link(report: dict[str, Any]) -> str:
+    """Markdown: the store URI as the text, the browser address as the target when there is one."""
+    return f"[{report['page']}]({report.get('view') or report['page']})"
+
+
 def run_note(current: str | None, report: dict[str, Any]) -> str | None:
     """The run's note with the report's link and headline appended; None when it already has them
     (a retry) -- a note a person wrote stays, above."""
@@ -97,7 +114,7 @@ def run_note(current: str | None, report: dict[str, Any]) -> str | None:
         return None
     h = report.get("headline") or {}
     eff = h.get("packing_efficiency")
-    line = (f"{NOTE_MARK}: [{report['page']}]({report['page']})  \n"
+    line = (f"{NOTE_MARK}: {_report_link(report)}  \n"
             f"{h.get('records_in')} records → {h.get('enriched')} enriched → {h.get('kept')} kept; "
             f"tokens {', '.join(f'{k} {v:,}' for k, v in sorted((h.get('tokens') or {}).items()))}"
             + (f"; packing {eff:.1%}" if isinstance(eff, float) else ""))
@@ -146,7 +163,7 @@ def gate_text(plan: RunPlan, report: dict[str, Any] | None) -> tuple[str, str]:
     tokens = ", ".join(f"{k} {v:,}" for k, v in sorted((h.get("tokens") or {}).items()))
     eff = h.get("packing_efficiency")
     body = "\n".join([
-        f"**Data report**: [{report['page']}]({report['page']})",
+        f"**Data report**: {_report_link(report)}",
         "",
         "| | |", "|---|---|",
         f"| records in → enriched → kept | {h.get('records_in')} → {h.get('enriched')} → {h.get('kept')} |",
