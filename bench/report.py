@@ -37,7 +37,8 @@ def settings_of(r: dict) -> str:
 def checkpoint_cell(c: dict | None) -> str:
     if not c:
         return "–"
-    return f"{c['save_stall_s']:.1f} s ({c['stall_share_at_every']:.2%} at {c['checkpoint_every']})"
+    first = f"first {c['first_save_stall_s']:.1f} s, then " if "first_save_stall_s" in c else ""
+    return f"{first}{c['save_stall_s']:.1f} s ({c['stall_share_at_every']:.2%} at {c['checkpoint_every']})"
 
 
 def table(rows: list[dict]) -> str:
@@ -79,6 +80,44 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def one_gpu_table(rows: list[dict]) -> str:
+    """Issue 17's view: each row against the two single-GPU HF loops of the same micro-batch shape
+    (pure bf16: ``--master bf16``; fp32 master weights: ``--master fp32``), same run."""
+    def shape(r):
+        return r["args"]["micro_batch"], r["args"]["grad_accum"]
+
+    base = {}
+    for r in rows:
+        if r["setup"] == "hf_single":
+            base.setdefault((r["args"]["master"], shape(r)), r["tokens_per_s_per_gpu"])
+    lines = ["| row | mb × m | tok/s | MFU | × HF pure bf16 | × HF fp32 master | peak GiB |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (shape(r), r["setup"] != "hf_single", -r["tokens_per_s_per_gpu"])):
+        tps = r["tokens_per_s_per_gpu"]
+        b16, b32 = base.get(("bf16", shape(r))), base.get(("fp32", shape(r)))
+        lines.append(f"| {r['label']} | {shape(r)[0]} × {shape(r)[1]} | {tps:,.0f} | {r['mfu']:.1%} "
+                     f"| {fmt(tps / b16 if b16 else None, '.3f')} | {fmt(tps / b32 if b32 else None, '.3f')} "
+                     f"| {fmt(r.get('peak_alloc_gib_max'), '.1f')} |")
+    return "\n".join(lines)
+
+
+def parity_table(rows: list[dict], tail: int = 20) -> str:
+    """Loss parity of long rows (>= 100 steps, e.g. FP8 vs bf16): the mean loss of the last ``tail``
+    steps and its relative difference to the bf16 row (``fp8`` off) of the same slice."""
+    long = [r for r in rows if len(r.get("losses") or []) >= 100]
+    if not long:
+        return ""
+    def tail_mean(r):
+        return sum(r["losses"][-tail:]) / tail
+
+    ref = {r["args"]["layers"]: tail_mean(r) for r in long if r["args"].get("fp8", "off") == "off"}
+    lines = [f"| row | steps | first loss | mean of last {tail} | vs bf16 |", "|---|---|---|---|---|"]
+    for r in long:
+        m, b = tail_mean(r), ref.get(r["args"]["layers"])
+        lines.append(f"| {r['label']} | {len(r['losses'])} | {r['losses'][0]:.4f} | {m:.4f} "
+                     f"| {fmt((m - b) / b if b else None, '+.2%')} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
@@ -88,6 +127,12 @@ def main(argv: list[str]) -> int:
         print("no row_*.json results found")
         return 1
     print(table(rows))
+    print()
+    print(one_gpu_table(rows))
+    parity = parity_table(rows)
+    if parity:
+        print()
+        print(parity)
     return 0
 
 
