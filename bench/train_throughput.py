@@ -566,7 +566,8 @@ def setup_trainer(args, device: Device):
         "layers_on_stage": sum(1 for m in engine.module.modules() if type(m).__name__ == "DecoderLayerPipe"),
         "params_on_stage": sum(p.numel() for p in engine.module.parameters()),
         "resolved": {"precision": plan.settings.precision, "attention": plan.settings.attention_backend,
-                     "kernels": plan.settings.fast_kernels, "optimizer": type(engine.optimizer).__name__},
+                     "kernels": plan.settings.fast_kernels, "optimizer": type(engine.optimizer).__name__,
+                     **trainer.fast_paths},
     }
     return step, tokens_per_step, plan.hf_config, {**plan.ds_config, "extra": extra}, timer
 

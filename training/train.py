@@ -387,8 +387,11 @@ class Trainer:
         swapped = apply_fast_kernels(self.settings.fast_kernels, pipe, loss=self.loss, in_layers=not t.compile_layers)
         if swapped:
             log.info("stage %d: fast kernels %s: %s", pipe.stage_id, self.settings.fast_kernels, swapped)
+        self.fast_paths = {"fp8_linears": 0, "wgrad_fused_weights": 0}  # what took effect (log, summary, bench)
         if t.fp8 != "off":  # before compiling: the compiled graph fuses the float8 casts
-            log.info("stage %d: %d linear layers in float8 (%s scaling)", pipe.stage_id, convert_fp8(t.fp8, pipe), t.fp8)
+            self.fast_paths["fp8_linears"] = convert_fp8(t.fp8, pipe)
+            log.info("stage %d: %d linear layers in float8 (%s scaling)", pipe.stage_id,
+                     self.fast_paths["fp8_linears"], t.fp8)
         if t.compile_layers:
             log.info("stage %d: %d decoder layers compiled (one shared graph)", pipe.stage_id,
                      compile_decoder_layers(pipe))
@@ -410,7 +413,7 @@ class Trainer:
             log.info("fp32 gradient accumulation: immediate, %s", "one mixed-dtype add per parameter" if fused
                      else "DeepSpeed's own add (its BF16 optimizer is not the one the fused add was written for)")
         if wgrad_weights:
-            bound = bind_main_grads(engine.optimizer, wgrad_weights)
+            bound = self.fast_paths["wgrad_fused_weights"] = bind_main_grads(engine.optimizer, wgrad_weights)
             log.info("weight-gradient GEMMs accumulate into the fp32 buffer: %d of %d linear weights%s", bound,
                      len(wgrad_weights), "" if bound else " (not DeepSpeed's BF16 optimizer: plain linear layers)")
         self.role = Role(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(),
@@ -422,7 +425,7 @@ class Trainer:
                              attention_backend=self.settings.attention_backend,
                              fast_kernels=self.settings.fast_kernels,
                              grad_accum_dtype=t.grad_accum_dtype if self.settings.bf16 else "fp32",
-                             fp8=t.fp8, fused_wgrad_accumulation=bool(wgrad_weights),
+                             fp8=t.fp8, **self.fast_paths,
                              optimizer_wrapper=type(engine.optimizer).__name__)
 
     def _fuse_wgrad(self) -> bool:
