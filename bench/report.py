@@ -100,21 +100,25 @@ def one_gpu_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def parity_table(rows: list[dict], tail: int = 20) -> str:
-    """Loss parity of long rows (>= 100 steps, e.g. FP8 vs bf16): the mean loss of the last ``tail``
-    steps and its relative difference to the bf16 row (``fp8`` off) of the same slice."""
+def parity_table(rows: list[dict], floor: float = 0.5) -> str:
+    """Loss parity of long rows (>= 100 steps, e.g. FP8 vs bf16), against the bf16 row (``fp8`` off) of
+    the same slice, step by step: the mean and largest relative difference over the steps where the
+    bf16 loss is still >= ``floor`` (a curve that falls to ~0 makes later ratios meaningless), the
+    first step under 1 nat, and the last loss."""
     long = [r for r in rows if len(r.get("losses") or []) >= 100]
-    if not long:
+    ref = {r["args"]["layers"]: r["losses"] for r in long if r["args"].get("fp8", "off") == "off"}
+    if not long or not ref:
         return ""
-    def tail_mean(r):
-        return sum(r["losses"][-tail:]) / tail
-
-    ref = {r["args"]["layers"]: tail_mean(r) for r in long if r["args"].get("fp8", "off") == "off"}
-    lines = [f"| row | steps | first loss | mean of last {tail} | vs bf16 |", "|---|---|---|---|---|"]
+    lines = [f"| row | steps | tok/s | first loss | rel. diff while bf16 >= {floor} (mean / max) | first step < 1 "
+             "| last loss |", "|---|---|---|---|---|---|---|"]
     for r in long:
-        m, b = tail_mean(r), ref.get(r["args"]["layers"])
-        lines.append(f"| {r['label']} | {len(r['losses'])} | {r['losses'][0]:.4f} | {m:.4f} "
-                     f"| {fmt((m - b) / b if b else None, '+.2%')} |")
+        loss, base = r["losses"], ref.get(r["args"]["layers"])
+        steps = [i for i in range(min(len(loss), len(base or []))) if base[i] >= floor]
+        rel = [(loss[i] - base[i]) / base[i] for i in steps]
+        under = next((i for i, v in enumerate(loss) if v < 1.0), None)
+        lines.append(f"| {r['label']} | {len(loss)} | {r['tokens_per_s_per_gpu']:,.0f} | {loss[0]:.4f} "
+                     f"| {f'{sum(rel) / len(rel):+.2%} / {max(rel, key=abs):+.2%}' if rel else '–'} "
+                     f"| {fmt(under, 'd')} | {loss[-1]:.4f} |")
     return "\n".join(lines)
 
 

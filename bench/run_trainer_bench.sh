@@ -15,12 +15,13 @@
 #         trainer with the varlen kernel on whole-document rows (isolates the attention lever)
 # ckpt:   the trainer's checkpoint save stall, async vs synchronous (CKPT_LAYERS-layer slice): the
 #         first save and a second one (host buffers reused)
-# wgrad:  the weight-gradient GEMM accumulating into the fp32 buffer (train.fused_wgrad_accumulation)
-#         beside the defaults and the two HF loops; its GPU check and kernel timing first
+# wgrad:  the trainer (defaults: the weight-gradient GEMM accumulates into the fp32 buffer) and the
+#         trainer without that (train.fused_wgrad_accumulation off) beside the two HF loops; its GPU
+#         check and kernel timing first
 # fp8:    train.fp8 tensorwise / rowwise (with compile_layers, which fuses the casts), 16 layers
 # fp8parity: 200 steps (PARITY_STEPS) of bf16 vs fp8 tensorwise vs rowwise on a PARITY_LAYERS-layer
 #         slice at lr 1e-4 over a repeating data set (the loss falls: memorisation), losses compared
-# mb4:    micro-batch 4 x 8 (same tokens per step): the trainer with the wgrad fusion and the two HF loops
+# mb4:    micro-batch 4 x 8 (same tokens per step): the trainer and the two HF loops
 # Results: $BENCH_OUT/row_*.json + logs, the table printed last (bench/report.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -79,9 +80,9 @@ for phase in ${*:-main checks extra}; do
       echo "=== wgrad check ($(date +%T))"
       timeout -k 10 120 $PY bench/gpu_checks.py kernels --only check_wgrad_fusion --out "$BENCH_OUT/wgrad_check" 2>&1 \
         | grep -E "PASS|FAIL|wgrad|Error" | head -8
-      row trainer_fused_wgrad 200 $TR "${TRAINER[@]}" --fused-wgrad 1
-      row hf_bf16 150 $PY $T "${HF[@]}" --master bf16
       row trainer 200 $TR "${TRAINER[@]}"
+      row hf_bf16 150 $PY $T "${HF[@]}" --master bf16
+      row trainer_wgrad_unfused 200 $TR "${TRAINER[@]}" --fused-wgrad 0
       row hf_fp32_master 150 $PY $T "${HF[@]}" --master fp32
       ;;
     fp8)
@@ -90,14 +91,14 @@ for phase in ${*:-main checks extra}; do
       ;;
     fp8parity)  # 200 steps; the trainer's fastest bf16 setting vs the two fp8 recipes
       common "${PARITY_LAYERS:-4}" 2 4 "${PARITY_STEPS:-200}" 0
-      row parity_bf16 300 $TR "${TRAINER[@]}" --lr 1e-4 --fused-wgrad 1
-      row parity_fp8_tensorwise 300 $TR "${TRAINER[@]}" --lr 1e-4 --fp8 tensorwise --compile-layers 1
-      row parity_fp8_rowwise 300 $TR "${TRAINER[@]}" --lr 1e-4 --fp8 rowwise --compile-layers 1
+      row parity_bf16 300 $TR "${TRAINER[@]}" --lr "${PARITY_LR:-1e-4}"
+      row parity_fp8_tensorwise 300 $TR "${TRAINER[@]}" --lr "${PARITY_LR:-1e-4}" --fp8 tensorwise --compile-layers 1
+      [ "${PARITY_ROWWISE:-1}" = 1 ] && row parity_fp8_rowwise 300 $TR "${TRAINER[@]}" --lr "${PARITY_LR:-1e-4}" --fp8 rowwise --compile-layers 1
       common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
       ;;
     mb4)
       common "$LAYERS" 4 8 "$STEPS" "$WARMUP"
-      row trainer_fused_wgrad_mb4 200 $TR "${TRAINER[@]}" --fused-wgrad 1
+      row trainer_mb4 200 $TR "${TRAINER[@]}"
       row hf_bf16_mb4 150 $PY $T "${HF[@]}" --master bf16
       row hf_fp32_master_mb4 150 $PY $T "${HF[@]}" --master fp32
       common "$LAYERS" 2 16 "$STEPS" "$WARMUP"

@@ -633,7 +633,7 @@ def parse_args(argv=None):
     p.add_argument("--causal-rows-sdpa", type=int, choices=(0, 1), default=1, help="trainer: train.causal_rows_sdpa")
     p.add_argument("--fused-accum", type=int, choices=(0, 1), default=1, help="trainer: train.fused_grad_accumulation")
     p.add_argument("--async-checkpoint", type=int, choices=(0, 1), default=1, help="trainer: train.async_checkpoint")
-    p.add_argument("--fused-wgrad", type=int, choices=(0, 1), default=0,
+    p.add_argument("--fused-wgrad", type=int, choices=(0, 1), default=1,
                    help="trainer: train.fused_wgrad_accumulation")
     p.add_argument("--fp8", choices=("off", "tensorwise", "rowwise"), default="off", help="trainer: train.fp8")
     p.add_argument("--lr", type=float, default=1e-5, help="trainer: train.learning_rate (loss-parity runs)")

@@ -10,6 +10,7 @@ from torch import nn
 
 from pipeline_core.config import load_config
 from training.fp8 import convert_linears_to_fp8
+from training.runtime import resolve_settings
 from training.wgrad_fusion import MainGradLinear, use_main_grad_linears
 
 
@@ -81,9 +82,19 @@ def test_unbound_or_without_grad_it_is_a_plain_linear():
         torch.testing.assert_close(fused(x), plain(x), rtol=0, atol=0)  # eval: no custom function
 
 
-def test_fused_wgrad_and_compiled_layers_are_refused_together():
-    with pytest.raises(Exception, match="fused_wgrad_accumulation.*compile_layers"):
-        load_config(overrides={"train.fused_wgrad_accumulation": True, "train.compile_layers": True})
+@pytest.mark.parametrize(("overrides", "fused"), [
+    ({}, True),  # the default under bf16 + fp32 accumulation
+    ({"train.compile_layers": True}, False),  # compiled layers do not run the custom backward
+    ({"train.grad_accum_dtype": "bf16"}, False),  # no fp32 buffers to accumulate into
+    ({"train.precision": "fp32"}, False),
+    ({"train.fused_wgrad_accumulation": False}, False),
+])
+def test_fused_wgrad_is_in_effect_only_where_it_can_be(overrides, fused):
+    cfg = load_config(overrides={"train.precision": "bf16", **overrides})
+    assert resolve_settings(cfg.train, on_gpu=False).fused_wgrad is fused
+
+
+def test_an_unknown_fp8_recipe_is_refused_at_load():
     with pytest.raises(Exception, match="fp8"):
         load_config(overrides={"train.fp8": "blockwise"})
 

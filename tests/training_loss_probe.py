@@ -55,8 +55,7 @@ def main(rows_path: str, model_dir: str, stages: int, precision: str, out: str, 
     hf_cfg = prepare_hf_config(load_model_config(Path(model_dir)), "sdpa", data["seq_len"])
     pipe = build_pipeline_module(hf_cfg, num_stages=stages, attention_backend="sdpa")
     load_stage_weights(pipe_layers(pipe), Path(model_dir))
-    t = cfg.train
-    wgrad = main_grad_linears(pipe) if t.fused_wgrad_accumulation else []
+    wgrad = main_grad_linears(pipe) if settings.fused_wgrad else []
     optimizer = build_optimizer(pipe, ds, torch.device("cpu"))
     grads, held = {}, {}
     head = next((p for n, p in pipe.named_parameters() if n.endswith("lm_head.weight")), None)

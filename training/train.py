@@ -371,7 +371,7 @@ class Trainer:
                  "fused_wgrad_accumulation=%s fp8=%s",
                  self.settings.precision, self.settings.attention_backend, self.settings.fast_kernels,
                  t.grad_accum_dtype if self.settings.bf16 else "fp32", device, t.compile_layers,
-                 t.sync_free_attention, t.pin_memory, t.async_checkpoint, self._fuse_wgrad(), t.fp8)
+                 t.sync_free_attention, t.pin_memory, t.async_checkpoint, self.settings.fused_wgrad, t.fp8)
         torch.manual_seed(t.seed)
         np.random.seed(t.seed)
         random.seed(t.seed)
@@ -395,7 +395,7 @@ class Trainer:
         if t.compile_layers:
             log.info("stage %d: %d decoder layers compiled (one shared graph)", pipe.stage_id,
                      compile_decoder_layers(pipe))
-        wgrad_weights = main_grad_linears(pipe) if self._fuse_wgrad() else []
+        wgrad_weights = main_grad_linears(pipe) if self.settings.fused_wgrad else []
         n = load_stage_weights(pipe_layers(pipe), self.model_dir)
         log.info("stage %d: loaded %d base tensors from %s", pipe.stage_id, n, self.model_dir)
         optimizer = build_optimizer(pipe, plan.ds_config, device)
@@ -427,11 +427,6 @@ class Trainer:
                              grad_accum_dtype=t.grad_accum_dtype if self.settings.bf16 else "fp32",
                              fp8=t.fp8, **self.fast_paths,
                              optimizer_wrapper=type(engine.optimizer).__name__)
-
-    def _fuse_wgrad(self) -> bool:
-        """The wgrad fusion needs fp32 gradient buffers to accumulate into (bf16 + fp32 accumulation)."""
-        t = self.t
-        return t.fused_wgrad_accumulation and self.settings.bf16 and t.grad_accum_dtype == "fp32"
 
     def _fetch_inputs(self, rank: int, local_rank: int) -> Path:
         """Rank 0 fetches the dataset while each node's local rank 0 fetches the base weights, in
