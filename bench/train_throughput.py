@@ -36,6 +36,7 @@ CPU dry run (same code paths, tiny model): ``--device cpu --model tiny`` (DS_ACC
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -567,7 +568,7 @@ def setup_trainer(args, device: Device):
         "params_on_stage": sum(p.numel() for p in engine.module.parameters()),
         "resolved": {"precision": plan.settings.precision, "attention": plan.settings.attention_backend,
                      "kernels": plan.settings.fast_kernels, "optimizer": type(engine.optimizer).__name__,
-                     **trainer.fast_paths},
+                     **dataclasses.asdict(trainer.fast_paths)},
     }
     return step, tokens_per_step, plan.hf_config, {**plan.ds_config, "extra": extra}, timer
 

@@ -15,6 +15,7 @@ publish ``model/`` and ``report/`` under the run. Re-running a finished run is a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -312,6 +313,14 @@ class BadSteps:
 
 
 @dataclass
+class FastPaths:
+    """What the optional fast paths changed on this stage (logged, in the summary, read by bench/)."""
+
+    fp8_linears: int = 0  # linear layers converted to float8 (train.fp8)
+    wgrad_fused_weights: int = 0  # weights whose wgrad GEMM accumulates into the fp32 buffer
+
+
+@dataclass
 class RunState:
     """What the phases hand each other."""
 
@@ -387,11 +396,11 @@ class Trainer:
         swapped = apply_fast_kernels(self.settings.fast_kernels, pipe, loss=self.loss, in_layers=not t.compile_layers)
         if swapped:
             log.info("stage %d: fast kernels %s: %s", pipe.stage_id, self.settings.fast_kernels, swapped)
-        self.fast_paths = {"fp8_linears": 0, "wgrad_fused_weights": 0}  # what took effect (log, summary, bench)
+        self.fast_paths = FastPaths()
         if t.fp8 != "off":  # before compiling: the compiled graph fuses the float8 casts
-            self.fast_paths["fp8_linears"] = convert_fp8(t.fp8, pipe)
+            self.fast_paths.fp8_linears = convert_fp8(t.fp8, pipe)
             log.info("stage %d: %d linear layers in float8 (%s scaling)", pipe.stage_id,
-                     self.fast_paths["fp8_linears"], t.fp8)
+                     self.fast_paths.fp8_linears, t.fp8)
         if t.compile_layers:
             log.info("stage %d: %d decoder layers compiled (one shared graph)", pipe.stage_id,
                      compile_decoder_layers(pipe))
@@ -413,7 +422,7 @@ class Trainer:
             log.info("fp32 gradient accumulation: immediate, %s", "one mixed-dtype add per parameter" if fused
                      else "DeepSpeed's own add (its BF16 optimizer is not the one the fused add was written for)")
         if wgrad_weights:
-            bound = self.fast_paths["wgrad_fused_weights"] = bind_main_grads(engine.optimizer, wgrad_weights)
+            bound = self.fast_paths.wgrad_fused_weights = bind_main_grads(engine.optimizer, wgrad_weights)
             log.info("weight-gradient GEMMs accumulate into the fp32 buffer: %d of %d linear weights%s", bound,
                      len(wgrad_weights), "" if bound else " (not DeepSpeed's BF16 optimizer: plain linear layers)")
         self.role = Role(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(),
@@ -425,7 +434,7 @@ class Trainer:
                              attention_backend=self.settings.attention_backend,
                              fast_kernels=self.settings.fast_kernels,
                              grad_accum_dtype=t.grad_accum_dtype if self.settings.bf16 else "fp32",
-                             fp8=t.fp8, **self.fast_paths,
+                             fp8=t.fp8, **dataclasses.asdict(self.fast_paths),
                              optimizer_wrapper=type(engine.optimizer).__name__)
 
     def _fetch_inputs(self, rank: int, local_rank: int) -> Path:
