@@ -19,7 +19,9 @@ else
   export DS_ACCELERATOR=cuda OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 fi
 
-if ! $PY -c "import deepspeed" 2>/dev/null && [ -d "$WHEELS" ]; then
+# a warm machine keeps what an earlier call installed
+[ -d /tmp/site/deepspeed ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+if ! $PY -c "import deepspeed, torchao" 2>/dev/null && [ -d "$WHEELS" ]; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
     || { echo "wheel install failed"; return 1; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

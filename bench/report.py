@@ -37,7 +37,8 @@ def settings_of(r: dict) -> str:
 def checkpoint_cell(c: dict | None) -> str:
     if not c:
         return "–"
-    return f"{c['save_stall_s']:.1f} s ({c['stall_share_at_every']:.2%} at {c['checkpoint_every']})"
+    first = f"first {c['first_save_stall_s']:.1f} s, then " if "first_save_stall_s" in c else ""
+    return f"{first}{c['save_stall_s']:.1f} s ({c['stall_share_at_every']:.2%} at {c['checkpoint_every']})"
 
 
 def table(rows: list[dict]) -> str:
@@ -79,6 +80,48 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def one_gpu_table(rows: list[dict]) -> str:
+    """Issue 17's view: each row against the two single-GPU HF loops of the same micro-batch shape
+    (pure bf16: ``--master bf16``; fp32 master weights: ``--master fp32``), same run."""
+    def shape(r):
+        return r["args"]["micro_batch"], r["args"]["grad_accum"]
+
+    base = {}
+    for r in rows:
+        if r["setup"] == "hf_single":
+            base.setdefault((r["args"]["master"], shape(r)), r["tokens_per_s_per_gpu"])
+    lines = ["| row | mb × m | tok/s | MFU | × HF pure bf16 | × HF fp32 master | peak GiB |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (shape(r), r["setup"] != "hf_single", -r["tokens_per_s_per_gpu"])):
+        tps = r["tokens_per_s_per_gpu"]
+        b16, b32 = base.get(("bf16", shape(r))), base.get(("fp32", shape(r)))
+        lines.append(f"| {r['label']} | {shape(r)[0]} × {shape(r)[1]} | {tps:,.0f} | {r['mfu']:.1%} "
+                     f"| {fmt(tps / b16 if b16 else None, '.3f')} | {fmt(tps / b32 if b32 else None, '.3f')} "
+                     f"| {fmt(r.get('peak_alloc_gib_max'), '.1f')} |")
+    return "\n".join(lines)
+
+
+def parity_table(rows: list[dict], floor: float = 0.5) -> str:
+    """Loss parity of long rows (>= 100 steps, e.g. FP8 vs bf16), against the bf16 row (``fp8`` off) of
+    the same slice, step by step: the mean and largest relative difference over the steps where the
+    bf16 loss is still >= ``floor`` (a curve that falls to ~0 makes later ratios meaningless), the
+    first step under 1 nat, and the last loss."""
+    long = [r for r in rows if len(r.get("losses") or []) >= 100]
+    ref = {r["args"]["layers"]: r["losses"] for r in long if r["args"].get("fp8", "off") == "off"}
+    if not long or not ref:
+        return ""
+    lines = [f"| row | steps | tok/s | first loss | rel. diff while bf16 >= {floor} (mean / max) | first step < 1 "
+             "| last loss |", "|---|---|---|---|---|---|---|"]
+    for r in long:
+        loss, base = r["losses"], ref.get(r["args"]["layers"])
+        steps = [i for i in range(min(len(loss), len(base or []))) if base[i] >= floor]
+        rel = [(loss[i] - base[i]) / base[i] for i in steps]
+        under = next((i for i, v in enumerate(loss) if v < 1.0), None)
+        lines.append(f"| {r['label']} | {len(loss)} | {r['tokens_per_s_per_gpu']:,.0f} | {loss[0]:.4f} "
+                     f"| {f'{sum(rel) / len(rel):+.2%} / {max(rel, key=abs):+.2%}' if rel else '–'} "
+                     f"| {fmt(under, 'd')} | {loss[-1]:.4f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
@@ -88,6 +131,12 @@ def main(argv: list[str]) -> int:
         print("no row_*.json results found")
         return 1
     print(table(rows))
+    print()
+    print(one_gpu_table(rows))
+    parity = parity_table(rows)
+    if parity:
+        print()
+        print(parity)
     return 0
 
 

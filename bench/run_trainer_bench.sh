@@ -2,7 +2,8 @@
 # One-GPU throughput comparison on the one-stage slice of Mistral-7B (issue 17): 16 decoder layers
 # + embedding + head (3.75 B parameters), seq 4096, micro-batch 2 x 16, plain causal rows unless a
 # row says packed. All rows in one run, same model shape and rows:
-#   bash bench/run_trainer_bench.sh [phase ...]    phases: main checks extra levers levers2
+#   bash bench/run_trainer_bench.sh [phase ...]    phases: main checks extra levers levers2 ckpt wgrad
+#                                                  fp8 fp8parity mb4
 #                                                  (default: main checks extra)
 # main:   the trainer (training/train.py's own setup + loader, fp32 grad accumulation) vs the plain
 #         HF loop with Liger + window-free SDPA + no recompute, (a) pure bf16, (b) fp32 master weights
@@ -12,7 +13,15 @@
 #         host syncs + pageable copies as before; compiled decoder layers; compiled + bf16 accum)
 # levers2: the trainer with the levers the profile pointed at (defaults), the two HF loops, and the
 #         trainer with the varlen kernel on whole-document rows (isolates the attention lever)
-# ckpt:   the trainer's checkpoint save stall, async vs synchronous (CKPT_LAYERS-layer slice)
+# ckpt:   the trainer's checkpoint save stall, async vs synchronous (CKPT_LAYERS-layer slice): the
+#         first save and a second one (host buffers reused)
+# wgrad:  the trainer (defaults: the weight-gradient GEMM accumulates into the fp32 buffer) and the
+#         trainer without that (train.fused_wgrad_accumulation off) beside the two HF loops; its GPU
+#         check and kernel timing first
+# fp8:    train.fp8 tensorwise / rowwise (with compile_layers, which fuses the casts), 16 layers
+# fp8parity: 200 steps (PARITY_STEPS) of bf16 vs fp8 tensorwise vs rowwise on a PARITY_LAYERS-layer
+#         slice at lr 1e-4 over a repeating data set (the loss falls: memorisation), losses compared
+# mb4:    micro-batch 4 x 8 (same tokens per step): the trainer and the two HF loops
 # Results: $BENCH_OUT/row_*.json + logs, the table printed last (bench/report.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +33,10 @@ WARMUP=${WARMUP:-2}
 
 T=bench/train_throughput.py
 TR="$PY -m torch.distributed.run --standalone --nproc_per_node 1"
-COMMON=(--model 7b --layers "$LAYERS" --seq-len 4096 --micro-batch 2 --grad-accum 16 --steps "$STEPS" --warmup "$WARMUP")
+common() {  # common LAYERS MICRO_BATCH GRAD_ACCUM STEPS WARMUP: the settings every row of a phase shares
+  COMMON=(--model 7b --layers "$1" --seq-len 4096 --micro-batch "$2" --grad-accum "$3" --steps "$4" --warmup "$5")
+}
+common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
 HF=(--setup hf_single --hf-liger --sliding-window none --act-ckpt 0 --docs causal)
 
 row() {  # row NAME TIMEOUT_S LAUNCHER ARGS...
@@ -59,9 +71,37 @@ for phase in ${*:-main checks extra}; do
       row trainer_varlen_attention 200 $TR "${TRAINER[@]}" --causal-rows-sdpa 0
       ;;
     ckpt)  # the save stall, async vs synchronous, on a $CKPT_LAYERS-layer slice (a 16-layer checkpoint is ~60 GB)
-      COMMON=(--model 7b --layers "${CKPT_LAYERS:-2}" --seq-len 4096 --micro-batch 2 --grad-accum 16 --steps 3 --warmup 1)
-      row trainer_ckpt_async 200 $TR "${TRAINER[@]}" --checkpoint --async-checkpoint 1
-      row trainer_ckpt_sync 200 $TR "${TRAINER[@]}" --checkpoint --async-checkpoint 0
+      common "${CKPT_LAYERS:-2}" 2 16 3 1
+      row trainer_ckpt_async 240 $TR "${TRAINER[@]}" --checkpoint --async-checkpoint 1
+      row trainer_ckpt_sync 240 $TR "${TRAINER[@]}" --checkpoint --async-checkpoint 0
+      common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
+      ;;
+    wgrad)
+      echo "=== wgrad check ($(date +%T))"
+      timeout -k 10 120 $PY bench/gpu_checks.py kernels --only check_wgrad_fusion --out "$BENCH_OUT/wgrad_check" 2>&1 \
+        | grep -E "PASS|FAIL|wgrad|Error" | head -8
+      row trainer 200 $TR "${TRAINER[@]}"
+      row hf_bf16 150 $PY $T "${HF[@]}" --master bf16
+      row trainer_wgrad_unfused 200 $TR "${TRAINER[@]}" --fused-wgrad 0
+      row hf_fp32_master 150 $PY $T "${HF[@]}" --master fp32
+      ;;
+    fp8)
+      row trainer_fp8_tensorwise 300 $TR "${TRAINER[@]}" --fp8 tensorwise --compile-layers 1
+      row trainer_fp8_rowwise 300 $TR "${TRAINER[@]}" --fp8 rowwise --compile-layers 1
+      ;;
+    fp8parity)  # 200 steps; the trainer's fastest bf16 setting vs the two fp8 recipes
+      common "${PARITY_LAYERS:-4}" 2 4 "${PARITY_STEPS:-200}" 0
+      row parity_bf16 300 $TR "${TRAINER[@]}" --lr "${PARITY_LR:-1e-4}"
+      row parity_fp8_tensorwise 300 $TR "${TRAINER[@]}" --lr "${PARITY_LR:-1e-4}" --fp8 tensorwise --compile-layers 1
+      [ "${PARITY_ROWWISE:-1}" = 1 ] && row parity_fp8_rowwise 300 $TR "${TRAINER[@]}" --lr "${PARITY_LR:-1e-4}" --fp8 rowwise --compile-layers 1
+      common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
+      ;;
+    mb4)
+      common "$LAYERS" 4 8 "$STEPS" "$WARMUP"
+      row trainer_mb4 200 $TR "${TRAINER[@]}"
+      row hf_bf16_mb4 150 $PY $T "${HF[@]}" --master bf16
+      row hf_fp32_master_mb4 150 $PY $T "${HF[@]}" --master fp32
+      common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
       ;;
     checks)
       echo "=== checks ($(date +%T))"

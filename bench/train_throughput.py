@@ -36,6 +36,7 @@ CPU dry run (same code paths, tiny model): ``--device cpu --model tiny`` (DS_ACC
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -490,11 +491,12 @@ def setup_trainer(args, device: Device):
         "train.micro_batch_size": args.micro_batch, "train.gradient_accumulation_steps": args.grad_accum,
         "train.steps": args.warmup + args.steps, "train.attention_backend": args.attention,
         "train.fast_kernels": args.kernels, "train.grad_accum_dtype": args.grad_accum_dtype,
-        "train.activation_checkpoint_interval": args.act_ckpt, "train.precision": "bf16" if device.cuda else "fp32",
-        "train.learning_rate": 1e-5, "train.checkpoint_every": args.checkpoint_every,
+        "train.activation_checkpoint_interval": args.act_ckpt, "train.precision": args.precision if args.precision != "auto" else ("bf16" if device.cuda else "fp32"),
+        "train.learning_rate": args.lr, "train.checkpoint_every": args.checkpoint_every,
         "train.compile_layers": bool(args.compile_layers), "train.sync_free_attention": bool(args.sync_free),
         "train.pin_memory": bool(args.pin_memory), "train.async_checkpoint": bool(args.async_checkpoint),
         "train.causal_rows_sdpa": bool(args.causal_rows_sdpa), "train.fused_grad_accumulation": bool(args.fused_accum),
+        "train.fused_wgrad_accumulation": bool(args.fused_wgrad), "train.fp8": args.fp8,
     })
     plan = train.make_plan(cfg, input_uri, uris.join(cfg.pipeline.store_uri, "runs", f"bench-{args.label or 'run'}"),  # one run per row: rows never share checkpoints
                            world, device.cuda)
@@ -509,15 +511,35 @@ def setup_trainer(args, device: Device):
     def step():
         return engine.train_batch(data_iter=batches.next_step())
 
-    def checkpoint_probe(step_s: float) -> dict:
-        """One save as fit() does it, timed as the stall training sees; then resume from the store."""
-        done = args.warmup + args.steps
+    def timed_save(at: int) -> float:
+        """One save as fit() does it, timed as the stall training sees."""
         torch.distributed.barrier()
         device.sync()
         t0 = time.perf_counter()
-        trainer._save_checkpoint(done, done * args.grad_accum)
+        trainer._save_checkpoint(at, at * args.grad_accum)
         device.sync()
-        stall = time.perf_counter() - t0
+        return time.perf_counter() - t0
+
+    def wait_pushed(at: int, timeout_s: float = 300.0) -> None:
+        """Until checkpoint ``at`` is written and uploaded (at checkpoint_every 200 it long is)."""
+        if trainer.ckpt_writer is not None:
+            trainer.ckpt_writer.flush()
+        deadline = time.monotonic() + timeout_s
+        while trainer.uploader is not None and at not in trainer.uploader.pushed and time.monotonic() < deadline:
+            trainer.uploader.raise_if_failed()
+            time.sleep(0.2)
+        torch.distributed.barrier()
+
+    def checkpoint_probe(step_s: float) -> dict:
+        """Two saves, each timed as the stall training sees: the run's first (it also allocates the
+        host buffers an async save reuses) and, one step after the first is pushed, a second one (what
+        every later save costs); then the upload drained and a resume from the store."""
+        done = args.warmup + args.steps
+        first = timed_save(done)
+        wait_pushed(done)
+        step()
+        done += 1
+        stall = timed_save(done)
         t1 = time.perf_counter()
         if trainer.uploader is not None:
             trainer.uploader.close()  # the push runs in the background; wait so resume finds it
@@ -532,7 +554,7 @@ def setup_trainer(args, device: Device):
         loss = engine.train_batch(data_iter=trainer._train_batches(state.position).next_step())
         device.sync()
         every = args.checkpoint_every
-        return {"save_stall_s": stall, "upload_drain_s": upload, "resume_s": resume_s,
+        return {"first_save_stall_s": first, "save_stall_s": stall, "upload_drain_s": upload, "resume_s": resume_s,
                 "resumed_step": state.start_step, "step_after_resume_s": time.perf_counter() - t3,
                 "loss_after_resume": float(loss) if loss is not None else None,
                 "checkpoint_every": every, "stall_share_at_every": stall / (stall + every * step_s)}
@@ -545,7 +567,8 @@ def setup_trainer(args, device: Device):
         "layers_on_stage": sum(1 for m in engine.module.modules() if type(m).__name__ == "DecoderLayerPipe"),
         "params_on_stage": sum(p.numel() for p in engine.module.parameters()),
         "resolved": {"precision": plan.settings.precision, "attention": plan.settings.attention_backend,
-                     "kernels": plan.settings.fast_kernels, "optimizer": type(engine.optimizer).__name__},
+                     "kernels": plan.settings.fast_kernels, "optimizer": type(engine.optimizer).__name__,
+                     **dataclasses.asdict(trainer.fast_paths)},
     }
     return step, tokens_per_step, plan.hf_config, {**plan.ds_config, "extra": extra}, timer
 
@@ -611,6 +634,12 @@ def parse_args(argv=None):
     p.add_argument("--causal-rows-sdpa", type=int, choices=(0, 1), default=1, help="trainer: train.causal_rows_sdpa")
     p.add_argument("--fused-accum", type=int, choices=(0, 1), default=1, help="trainer: train.fused_grad_accumulation")
     p.add_argument("--async-checkpoint", type=int, choices=(0, 1), default=1, help="trainer: train.async_checkpoint")
+    p.add_argument("--fused-wgrad", type=int, choices=(0, 1), default=1,
+                   help="trainer: train.fused_wgrad_accumulation")
+    p.add_argument("--fp8", choices=("off", "tensorwise", "rowwise"), default="off", help="trainer: train.fp8")
+    p.add_argument("--lr", type=float, default=1e-5, help="trainer: train.learning_rate (loss-parity runs)")
+    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="trainer: train.precision (auto: bf16 on a GPU, fp32 for a CPU dry run)")
     p.add_argument("--profile", default=None,
                    help="after the timed steps, one more step under torch.profiler; its kernel table to this file")
     p.add_argument("--warmup", type=int, default=2)

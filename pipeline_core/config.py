@@ -299,6 +299,15 @@ class TrainSection(Section):
         True, description="bf16 + grad_accum_dtype fp32: add each bf16 gradient into its fp32 buffer the moment "
         "backward produces it (DeepSpeed's bf16.immediate_grad_update), in one mixed-dtype kernel, and free the "
         "bf16 gradient: no bf16 accumulation, no fp32 temporary, 2 bytes/parameter less")
+    fused_wgrad_accumulation: bool = Field(
+        True, description="bf16 + grad_accum_dtype fp32: the decoder layers' weight-gradient GEMMs accumulate "
+        "straight into the fp32 gradient buffer (beta=1, Megatron's gradient_accumulation_fusion): no bf16 weight "
+        "gradient, no separate add, no per-micro-batch bf16 rounding (+2.3% on an H200). Eager layers only: "
+        "skipped with compile_layers, and FP8 layers compute their own weight gradient")
+    fp8: Literal["off", "tensorwise", "rowwise"] = Field(
+        "off", description="GPU (sm_89+): the decoder layers' linear layers in float8 (torchao float8 training, "
+        "dynamic tensorwise or rowwise scales; weights, master copy and optimizer unchanged). Fast only with "
+        "compile_layers, which fuses the casts")
     pin_memory: bool = Field(
         True, description="GPU: micro-batches go host->device from pinned memory without blocking the host")
     async_checkpoint: bool = Field(

@@ -65,20 +65,23 @@ def crafted(tmp_path_factory):
             "grad": model.lm_head.weight.grad.clone(), "tmp": tmp}
 
 
-def _probe(crafted, stages: int, per_replica, precision: str = "fp32") -> dict:
+def _probe(crafted, stages: int, per_replica, precision: str = "fp32", options: dict | None = None) -> dict:
     tmp = crafted["tmp"]
-    rows_path = tmp / f"rows-{stages}-{precision}.pt"
+    tag = f"{stages}-{precision}-{'-'.join(f'{k}={v}' for k, v in sorted((options or {}).items()))}"
+    rows_path = tmp / f"rows-{tag}.pt"
     torch.save({"seq_len": SEQ, "per_replica": per_replica}, rows_path)
-    out = tmp / f"out-{stages}-{precision}.json"
+    out = tmp / f"out-{tag}.json"
     out.unlink(missing_ok=True)
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "TORCH_EXTENSIONS_DIR": str(REPO / ".cache" / "torch_extensions")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(REPO / "tests" / "training_loss_probe.py"), str(rows_path), str(crafted["dir"]), str(stages),
-           precision, str(out)]
+           precision, str(out), json.dumps(options or {})]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
-    return json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    result["decoder_grads"] = {k: v for r in range(2) for k, v in torch.load(f"{out}.rank{r}.pt").items()}
+    return result
 
 
 def test_pipeline_step_loss_and_gradient_are_the_token_mean(crafted):
@@ -107,3 +110,24 @@ def test_bf16_accumulates_gradients_in_fp32(crafted):
     assert r["grad_accum_dtype"] == "torch.float32"
     assert r["accumulator_dtypes"] == ["torch.float32"]
     assert r["loss"] == pytest.approx(crafted["loss"], rel=2e-2)  # bf16 weights and activations
+
+
+def test_fused_wgrad_accumulation_equals_the_unfused_step(crafted):
+    """train.fused_wgrad_accumulation: the decoder layers' weight-gradient GEMMs add into DeepSpeed's
+    fp32 buffers themselves. Same step as the unfused bf16 path: the fp32 gradient of every decoder
+    matrix of both stages, as the optimizer steps on it, agrees to bf16 rounding (the unfused path
+    rounds each micro-batch's weight gradient to bf16 first; both micro-batches must land in the sum),
+    and so does the global norm, which counts the fused weights only if the optimizer knows they have
+    gradients."""
+    plain = _probe(crafted, stages=2, per_replica=[crafted["rows"]], precision="bf16",
+                   options={"fused_wgrad_accumulation": False})
+    fused = _probe(crafted, stages=2, per_replica=[crafted["rows"]], precision="bf16")  # the default
+    assert plain["main_grad_weights"] == 0
+    assert fused["main_grad_weights"] == 7 * 2  # q, k, v, o, gate, up, down of the last stage's layers
+    assert fused["loss"] == plain["loss"]  # the forward is unchanged
+    assert len(plain["decoder_grads"]) == 7 * 4 and fused["decoder_grads"].keys() == plain["decoder_grads"].keys()
+    for name, ref in plain["decoder_grads"].items():
+        got = fused["decoder_grads"][name]
+        assert ref.norm() > 0, name
+        assert float((got - ref).norm() / ref.norm()) < 1e-2, name
+    assert fused["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-3)

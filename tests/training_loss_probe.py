@@ -2,11 +2,15 @@
 evaluation of the trainer's own pieces (pipeline module with its TokenMeanLoss, the resolved
 DeepSpeed config, the client optimizer, StepBatches) on rows the test hands over in a .pt file.
 
-    torchrun --nproc_per_node N tests/training_loss_probe.py ROWS.pt MODEL_DIR STAGES PRECISION OUT.json
+    torchrun --nproc_per_node N tests/training_loss_probe.py ROWS.pt MODEL_DIR STAGES PRECISION OUT.json [OPTIONS]
+
+OPTIONS: JSON object of TrainSection overrides for the run (e.g. {"fused_wgrad_accumulation": true}).
 
 Each data-parallel replica takes its micro-batches in order from ROWS.pt's ``per_replica`` list.
 The last stage of replica 0 writes OUT.json: step loss, eval loss, the gradient of
-``lm_head.weight`` seen by the optimizer, and the engine's precision settings.
+``lm_head.weight`` seen by the optimizer, the global gradient norm and the engine's precision
+settings; under the BF16 optimizer every rank writes the fp32 gradients of its decoder matrices
+(name -> tensor, as the step reads them) to OUT.json.rank<R>.pt.
 """
 
 from __future__ import annotations
@@ -20,14 +24,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main(rows_path: str, model_dir: str, stages: int, precision: str, out: str) -> None:
+def main(rows_path: str, model_dir: str, stages: int, precision: str, out: str, options: str = "{}") -> None:
     import deepspeed
     import torch.distributed as dist
 
     from pipeline_core.config import load_config
+    from training.kernels import main_grad_linears
     from training.loss import StepBatches
     from training.model import build_pipeline_module, pipe_layers, prepare_hf_config
-    from training.optim import build_ds_config, build_optimizer
+    from training.optim import bind_main_grads, build_ds_config, build_optimizer
     from training.runtime import resolve_settings
     from training.weights import load_model_config, load_stage_weights
 
@@ -40,6 +45,7 @@ def main(rows_path: str, model_dir: str, stages: int, precision: str, out: str) 
         "train.pipeline_stages": stages, "train.seq_len": data["seq_len"], "train.micro_batch_size": 1,
         "train.gradient_accumulation_steps": len(per_replica[0]), "train.precision": precision,
         "train.learning_rate": 1e-3, "train.warmup_steps": 1, "train.steps": 1,
+        **{f"train.{k}": v for k, v in json.loads(options).items()},
     })
     settings = resolve_settings(cfg.train, on_gpu=False)
     ds = build_ds_config(cfg.train, dp, settings)
@@ -49,18 +55,27 @@ def main(rows_path: str, model_dir: str, stages: int, precision: str, out: str) 
     hf_cfg = prepare_hf_config(load_model_config(Path(model_dir)), "sdpa", data["seq_len"])
     pipe = build_pipeline_module(hf_cfg, num_stages=stages, attention_backend="sdpa")
     load_stage_weights(pipe_layers(pipe), Path(model_dir))
+    wgrad = main_grad_linears(pipe) if settings.fused_wgrad else []
     optimizer = build_optimizer(pipe, ds, torch.device("cpu"))
-    grads = {}
+    grads, held = {}, {}
     head = next((p for n, p in pipe.named_parameters() if n.endswith("lm_head.weight")), None)
 
     def capture(opt, args, kwargs):
         # the optimizer's parameters: the model's own (fp32) or the BF16 optimizer's fp32 partitions
         if head is not None and head.grad is not None:
             grads["lm_head"] = head.grad.detach().float().clone()
+        bf16 = held.get("bf16_optimizer")
+        if bf16 is not None:  # the fp32 gradient of each decoder matrix, as the step reads it
+            slot = {id(lp): (i, j) for i, group in enumerate(bf16.bf16_groups) for j, lp in enumerate(group)}
+            grads["decoder"] = {n: bf16.fp32_groups_gradients[slot[id(p)][0]][slot[id(p)][1]].view(p.shape).clone()
+                                for n, p in pipe.named_parameters() if p.ndim == 2 and (".self_attn." in n or ".mlp." in n)}
 
     optimizer.register_step_pre_hook(capture)
     engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer,
                                            config={k: v for k, v in ds.items() if k != "optimizer"})
+    if type(engine.optimizer).__name__ == "BF16_Optimizer":
+        held["bf16_optimizer"] = engine.optimizer
+    bound = bind_main_grads(engine.optimizer, wgrad) if wgrad else 0
     replica = engine.grid.get_data_parallel_rank()
     last = engine.is_last_stage()
 
@@ -75,11 +90,14 @@ def main(rows_path: str, model_dir: str, stages: int, precision: str, out: str) 
                            dp_group=engine.grid.get_data_parallel_group())
 
     loss = float(engine.train_batch(data_iter=batches().next_step()))
+    grad_norm = engine.get_global_grad_norm()
+    torch.save(grads.get("decoder", {}), f"{out}.rank{dist.get_rank()}.pt")
     eval_loss = float(engine.eval_batch(batches().next_step(), num_micro_batches=len(per_replica[0])))
     if last and replica == 0:
         result = {"loss": loss, "eval_loss": eval_loss, "targets": pipe.loss_fn.targets,
                   "optimizer": type(engine.optimizer).__name__,
                   "grad_accum_dtype": str(engine.get_data_types()[1]),
+                  "grad_norm": None if grad_norm is None else float(grad_norm), "main_grad_weights": bound,
                   "lm_head_grad": grads["lm_head"].tolist() if "lm_head" in grads else None}
         if result["optimizer"] == "BF16_Optimizer":
             result["accumulator_dtypes"] = sorted({str(g.dtype) for g in engine.optimizer.fp32_groups_gradients_flat})
@@ -89,4 +107,4 @@ def main(rows_path: str, model_dir: str, stages: int, precision: str, out: str) 
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5], *sys.argv[6:7])

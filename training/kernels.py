@@ -47,3 +47,23 @@ def compile_decoder_layers(module: nn.Module) -> int:
     for layer in layers:
         layer.block = functools.partial(compiled, layer)
     return len(layers)
+
+
+def convert_fp8(recipe: str, module: nn.Module) -> int:
+    """``train.fp8``: the decoder layers' linear layers as torchao Float8Linear (training/fp8.py);
+    ``off`` changes nothing. Returns how many were converted."""
+    if recipe == "off":
+        return 0
+    from training.fp8 import convert_linears_to_fp8
+    from training.model import DecoderLayerPipe
+
+    return convert_linears_to_fp8(module, DecoderLayerPipe, recipe)
+
+
+def main_grad_linears(module: nn.Module) -> list:
+    """``train.fused_wgrad_accumulation``: the decoder layers' plain linear layers accumulate their
+    weight gradient into a bound fp32 buffer (training/wgrad_fusion.py); returns their weights."""
+    from training.model import DecoderLayerPipe
+    from training.wgrad_fusion import use_main_grad_linears
+
+    return use_main_grad_linears(module, DecoderLayerPipe)

@@ -169,3 +169,36 @@ def fuse_hp_grad_accumulation(bf16_optimizer) -> bool:
 
     opt._update_hp_grad = _update_hp_grad
     return True
+
+
+def bind_main_grads(bf16_optimizer, weights) -> int:
+    """Point each of ``weights`` (``wgrad_fusion.MainGradLinear`` weights) at its slot of DeepSpeed's
+    BF16 optimizer's fp32 gradient buffer (``weight.main_grad``), so the weight-gradient GEMM
+    accumulates there. Those weights never get a ``.grad``, so the optimizer's per-parameter
+    "has a gradient" flags, which pick what the global norm, clipping and the step read, are kept
+    set for them (also after each step's ``clear_hp_grads``); a slot that got nothing in a step holds
+    zeros. Returns how many were bound; 0 (nothing changed) where the optimizer is not the one this
+    was written against (DeepSpeed 0.19: ``bf16_groups``, ``fp32_groups_gradients``,
+    ``fp32_groups_has_gradients``, ``clear_hp_grads``)."""
+    needed = ("bf16_groups", "fp32_groups_gradients", "fp32_groups_has_gradients", "clear_hp_grads")
+    if not all(hasattr(bf16_optimizer, a) for a in needed) or getattr(bf16_optimizer, "autoep_folding_tp_group", None):
+        return 0
+    opt, wanted = bf16_optimizer, {id(w) for w in weights}
+    slots = [(i, j) for i, group in enumerate(opt.bf16_groups) for j, lp in enumerate(group) if id(lp) in wanted]
+    for i, j in slots:
+        lp, hp = opt.bf16_groups[i][j], opt.fp32_groups_gradients[i][j]
+        lp.main_grad = hp.view(lp.shape)
+        lp._hp_grad = hp  # what DeepSpeed's own accumulation hook would have set
+    clear = opt.clear_hp_grads
+
+    def mark() -> None:
+        for i, j in slots:
+            opt.fp32_groups_has_gradients[i][j] = True
+
+    def clear_hp_grads() -> None:
+        clear()
+        mark()
+
+    opt.clear_hp_grads = clear_hp_grads
+    mark()
+    return len(slots)

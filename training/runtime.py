@@ -19,6 +19,7 @@ class Settings:
     attention_backend: str
     fast_kernels: str
     on_gpu: bool
+    fused_wgrad: bool = False  # train.fused_wgrad_accumulation in effect (needs fp32 buffers, eager layers)
 
     @property
     def bf16(self) -> bool:
@@ -53,4 +54,8 @@ def resolve_settings(train, on_gpu: bool) -> Settings:
         # the fused loss never materialises logits, which the parity check compares
         usable = on_gpu and not train.verify_parity and importlib.util.find_spec("liger_kernel") is not None
         kernels = "liger" if usable else "none"
-    return Settings(precision, attention, kernels, on_gpu)
+    # the wgrad GEMM accumulates into the BF16 optimizer's fp32 buffers, from a custom backward that
+    # compiled layers do not run
+    fused_wgrad = (train.fused_wgrad_accumulation and precision == "bf16" and train.grad_accum_dtype == "fp32"
+                   and not train.compile_layers)
+    return Settings(precision, attention, kernels, on_gpu, fused_wgrad)

@@ -15,6 +15,7 @@ publish ``model/`` and ``report/`` under the run. Re-running a finished run is a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import logging
@@ -46,13 +47,20 @@ from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo  # noqa: E402
 from training import checkpoints as ckpt  # noqa: E402
 from training.data import COLUMNS, MicroBatches, ShardSet, columns_for, split_files  # noqa: E402
 from training.flops import ModelShape, flops_per_token  # noqa: E402
-from training.kernels import apply_fast_kernels, compile_decoder_layers, register_attention  # noqa: E402
+from training.kernels import (  # noqa: E402
+    apply_fast_kernels,
+    compile_decoder_layers,
+    convert_fp8,
+    main_grad_linears,
+    register_attention,
+)
 from training.lease import RunLease, attempt_id  # noqa: E402
 from training.loss import StepBatches, TokenMeanLoss  # noqa: E402
 from training.metrics import MetricsLog, peak_tflops, write_report  # noqa: E402
 from training.model import build_pipeline_module, pipe_layers, prepare_hf_config  # noqa: E402
 from training.optim import (  # noqa: E402
     OptimizerConfigError,
+    bind_main_grads,
     build_ds_config,
     build_optimizer,
     fuse_hp_grad_accumulation,
@@ -136,6 +144,9 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
             "(world size = data parallel x pipeline stages)"
         )
     settings = resolve_settings(t, on_gpu)
+    if t.fp8 != "off" and on_gpu and torch.cuda.get_device_capability() < (8, 9):
+        raise TrainConfigError(f"train.fp8={t.fp8!r} needs a GPU with float8 matrix units (compute capability 8.9+, "
+                               f"e.g. L4, H100); this one is {torch.cuda.get_device_capability()}: set train.fp8 off")
     base_config = base_model_config(t.base_model)
     try:
         register_attention(settings.attention_backend)
@@ -302,6 +313,14 @@ class BadSteps:
 
 
 @dataclass
+class FastPaths:
+    """What the optional fast paths changed on this stage (logged, in the summary, read by bench/)."""
+
+    fp8_linears: int = 0  # linear layers converted to float8 (train.fp8)
+    wgrad_fused_weights: int = 0  # weights whose wgrad GEMM accumulates into the fp32 buffer
+
+
+@dataclass
 class RunState:
     """What the phases hand each other."""
 
@@ -357,10 +376,11 @@ class Trainer:
         # keeps its short timeout for compute collectives.
         self.io_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=t.io_timeout_s))
         log.info("settings: precision=%s attention_backend=%s fast_kernels=%s grad_accum_dtype=%s device=%s "
-                 "compile_layers=%s sync_free_attention=%s pin_memory=%s async_checkpoint=%s",
+                 "compile_layers=%s sync_free_attention=%s pin_memory=%s async_checkpoint=%s "
+                 "fused_wgrad_accumulation=%s fp8=%s",
                  self.settings.precision, self.settings.attention_backend, self.settings.fast_kernels,
                  t.grad_accum_dtype if self.settings.bf16 else "fp32", device, t.compile_layers,
-                 t.sync_free_attention, t.pin_memory, t.async_checkpoint)
+                 t.sync_free_attention, t.pin_memory, t.async_checkpoint, self.settings.fused_wgrad, t.fp8)
         torch.manual_seed(t.seed)
         np.random.seed(t.seed)
         random.seed(t.seed)
@@ -376,9 +396,15 @@ class Trainer:
         swapped = apply_fast_kernels(self.settings.fast_kernels, pipe, loss=self.loss, in_layers=not t.compile_layers)
         if swapped:
             log.info("stage %d: fast kernels %s: %s", pipe.stage_id, self.settings.fast_kernels, swapped)
+        self.fast_paths = FastPaths()
+        if t.fp8 != "off":  # before compiling: the compiled graph fuses the float8 casts
+            self.fast_paths.fp8_linears = convert_fp8(t.fp8, pipe)
+            log.info("stage %d: %d linear layers in float8 (%s scaling)", pipe.stage_id,
+                     self.fast_paths.fp8_linears, t.fp8)
         if t.compile_layers:
             log.info("stage %d: %d decoder layers compiled (one shared graph)", pipe.stage_id,
                      compile_decoder_layers(pipe))
+        wgrad_weights = main_grad_linears(pipe) if self.settings.fused_wgrad else []
         n = load_stage_weights(pipe_layers(pipe), self.model_dir)
         log.info("stage %d: loaded %d base tensors from %s", pipe.stage_id, n, self.model_dir)
         optimizer = build_optimizer(pipe, plan.ds_config, device)
@@ -395,6 +421,10 @@ class Trainer:
             fused = fuse_hp_grad_accumulation(engine.optimizer)
             log.info("fp32 gradient accumulation: immediate, %s", "one mixed-dtype add per parameter" if fused
                      else "DeepSpeed's own add (its BF16 optimizer is not the one the fused add was written for)")
+        if wgrad_weights:
+            bound = self.fast_paths.wgrad_fused_weights = bind_main_grads(engine.optimizer, wgrad_weights)
+            log.info("weight-gradient GEMMs accumulate into the fp32 buffer: %d of %d linear weights%s", bound,
+                     len(wgrad_weights), "" if bound else " (not DeepSpeed's BF16 optimizer: plain linear layers)")
         self.role = Role(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(),
                          stage=engine.stage_id, first=engine.is_first_stage(), last=engine.is_last_stage(),
                          dp_rank=engine.grid.get_data_parallel_rank(),
@@ -404,6 +434,7 @@ class Trainer:
                              attention_backend=self.settings.attention_backend,
                              fast_kernels=self.settings.fast_kernels,
                              grad_accum_dtype=t.grad_accum_dtype if self.settings.bf16 else "fp32",
+                             fp8=t.fp8, **dataclasses.asdict(self.fast_paths),
                              optimizer_wrapper=type(engine.optimizer).__name__)
 
     def _fetch_inputs(self, rank: int, local_rank: int) -> Path:
