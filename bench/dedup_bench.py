@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from bench.proc_cpu import cpu_seconds  # noqa: E402
+
 DIM = 384
 
 
@@ -88,10 +90,10 @@ def run_one(spark, n: int, work: Path, args) -> dict:
     df.count()
     settings = NearDupSettings(threshold=args.threshold, method=args.method, recall_sample=args.recall_sample,
                                cluster=ClusterSettings(cluster_size=args.cluster_size))
-    t0 = time.perf_counter()
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
     got = near_duplicates(df, key="_key", vec="_vec", settings=settings, rows=n)
     dropped = got.frame.count()
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     # planted pairs: (twin, original) at cosine >= 0.90: found when the larger-key one is dropped
     pairs = df.where(F.col("_twin_of") >= 0).select(F.col("_key").alias("k1"), F.col("_twin_of").alias("o"))
     orig = df.select(F.col("id").alias("oid"), F.col("_key").alias("k2"),
@@ -100,11 +102,13 @@ def run_one(spark, n: int, work: Path, args) -> dict:
     found = pairs.join(got.frame, "_key").count()
     total = pairs.count()
     r = got.report
-    out = {"rows": n, "seconds": round(dt, 1), "rows_per_s": round(n / dt), "dropped": dropped, "planted": planted,
+    out = {"rows": n, "seconds": round(dt, 1), "cpu_seconds": round(cpu, 1), "rows_per_s": round(n / dt),
+           "load_avg_after": round(os.getloadavg()[0], 1), "dropped": dropped, "planted": planted,
            "planted_pairs": total, "planted_found": found, "planted_recall": round(found / max(1, total), 4),
            "measured_recall": r.measured.recall if r.measured else None,
            "measured_interval": [r.measured.low_95, r.measured.high_95] if r.measured else None,
-           "clusters": r.clusters, "largest_cluster": r.largest_cluster, "mean_cluster": r.mean_cluster}
+           "clusters": r.clusters, "largest_cluster": r.largest_cluster, "mean_cluster": r.mean_cluster,
+           "split_clusters": r.split_clusters, "warnings": list(r.warnings)}
     got.frame.unpersist()
     df.unpersist()
     return out
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(a.json).write_text(json.dumps(res, indent=2))
     runs = res["runs"]
     res["time_ratios"] = [round(b["seconds"] / x["seconds"], 2) for x, b in zip(runs, runs[1:], strict=False)]
+    res["cpu_ratios"] = [round(b["cpu_seconds"] / x["cpu_seconds"], 2) for x, b in zip(runs, runs[1:], strict=False)]
     res["load_avg_at_end"] = round(os.getloadavg()[0], 1)
     spark.stop()
     print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=2))
