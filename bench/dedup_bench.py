@@ -114,6 +114,41 @@ def run_one(spark, n: int, work: Path, args) -> dict:
     return out
 
 
+def cost_model(cluster_size: int, probes: int, copies_per_row: float, leaves_per_cluster: float,
+               sizes=(250_000, 1_000_000, 4_000_000, 25_700_000)) -> dict:
+    """CPU seconds per row of the method's two compute terms, timed here with process CPU time (steadier
+    than wall time on a shared machine), and the curve they give: in-cluster products cost
+    copies x cluster size per row (fixed); assignment costs one product with every leaf centroid,
+    whose number grows with N (rows / cluster_size x the leaves per k-means cluster after splits)."""
+    from spark_jobs.near_dup_clusters import pairs_in_cluster, top_clusters, unit_rows
+
+    rng = np.random.default_rng(0)
+    rows = unit(rng.normal(size=(cluster_size, 2, DIM))).reshape(cluster_size, 2 * DIM).astype(np.float32)
+    import pandas as pd
+
+    pdf = pd.DataFrame({"_key": np.arange(cluster_size, dtype=np.int64), "_id": [f"r{i}" for i in range(cluster_size)],
+                        "_group": np.zeros(cluster_size, np.int64), "_vec": list(rows)})
+    t = time.process_time()
+    for _ in range(5):
+        pairs_in_cluster(pdf, 0.9)
+    in_cluster = (time.process_time() - t) / 5 / cluster_size  # s per member of one cluster
+    x = unit_rows(rng.normal(size=(20_000, 2 * DIM)).astype(np.float32))
+    c = unit_rows(rng.normal(size=(2_000, 2 * DIM)).astype(np.float32))
+    t = time.process_time()
+    top_clusters(x, c, probes, 0.05)
+    per_dot = (time.process_time() - t) / (len(x) * len(c))  # s per row x centroid
+    curve = []
+    for n in sizes:
+        leaves = math.ceil(n / cluster_size) * leaves_per_cluster
+        curve.append({"rows": n, "leaves": round(leaves), "in_cluster_cpu_s": round(n * copies_per_row * in_cluster, 1),
+                      "assign_cpu_s": round(n * leaves * per_dot, 1)})
+    for a, b in zip(curve, curve[1:], strict=False):
+        b["rows_ratio_vs_prev"] = round(b["rows"] / a["rows"], 2)
+        b["compute_ratio_vs_prev"] = round((b["in_cluster_cpu_s"] + b["assign_cpu_s"]) /
+                                           (a["in_cluster_cpu_s"] + a["assign_cpu_s"]), 2)
+    return {"in_cluster_s_per_copy": in_cluster, "assign_s_per_row_centroid": per_dot, "curve": curve}
+
+
 def main(argv: list[str] | None = None) -> int:
     from spark_jobs.common import spark_session
     from spark_jobs.dedup import lsh_candidate_probability, plan_lsh
@@ -128,7 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--driver-memory", default="6g", help="local mode: the JVM heap (1g fails at 250 k rows)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--model-only", action="store_true",
+                    help="only time the two compute terms and print the analytic curve (no Spark)")
+    ap.add_argument("--copies-per-row", type=float, default=1.55, help="model: cluster memberships per row (runs report it)")
+    ap.add_argument("--leaves-per-cluster", type=float, default=1.9, help="model: clusters after splits / k")
     a = ap.parse_args(argv)
+    if a.model_only:
+        print(json.dumps(cost_model(a.cluster_size, 2, a.copies_per_row, a.leaves_per_cluster), indent=2))
+        return 0
     res: dict = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                  "machine": f"{platform.node()} {os.cpu_count()} cpus, load avg {os.getloadavg()[0]:.1f}",
                  "command": "bench/dedup_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]), "runs": []}
