@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from bench.proc_cpu import cpu_seconds  # noqa: E402
+
 DIM = 384
 
 
@@ -88,10 +90,10 @@ def run_one(spark, n: int, work: Path, args) -> dict:
     df.count()
     settings = NearDupSettings(threshold=args.threshold, method=args.method, recall_sample=args.recall_sample,
                                cluster=ClusterSettings(cluster_size=args.cluster_size))
-    t0 = time.perf_counter()
+    cpu0, t0 = cpu_seconds(), time.perf_counter()
     got = near_duplicates(df, key="_key", vec="_vec", settings=settings, rows=n)
     dropped = got.frame.count()
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     # planted pairs: (twin, original) at cosine >= 0.90: found when the larger-key one is dropped
     pairs = df.where(F.col("_twin_of") >= 0).select(F.col("_key").alias("k1"), F.col("_twin_of").alias("o"))
     orig = df.select(F.col("id").alias("oid"), F.col("_key").alias("k2"),
@@ -100,14 +102,51 @@ def run_one(spark, n: int, work: Path, args) -> dict:
     found = pairs.join(got.frame, "_key").count()
     total = pairs.count()
     r = got.report
-    out = {"rows": n, "seconds": round(dt, 1), "rows_per_s": round(n / dt), "dropped": dropped, "planted": planted,
+    out = {"rows": n, "seconds": round(dt, 1), "cpu_seconds": round(cpu, 1), "rows_per_s": round(n / dt),
+           "load_avg_after": round(os.getloadavg()[0], 1), "dropped": dropped, "planted": planted,
            "planted_pairs": total, "planted_found": found, "planted_recall": round(found / max(1, total), 4),
            "measured_recall": r.measured.recall if r.measured else None,
            "measured_interval": [r.measured.low_95, r.measured.high_95] if r.measured else None,
-           "clusters": r.clusters, "largest_cluster": r.largest_cluster, "mean_cluster": r.mean_cluster}
+           "clusters": r.clusters, "largest_cluster": r.largest_cluster, "mean_cluster": r.mean_cluster,
+           "split_clusters": r.split_clusters, "warnings": list(r.warnings)}
     got.frame.unpersist()
     df.unpersist()
     return out
+
+
+def cost_model(cluster_size: int, probes: int, copies_per_row: float, leaves_per_cluster: float,
+               sizes=(250_000, 1_000_000, 4_000_000, 25_700_000)) -> dict:
+    """CPU seconds per row of the method's two compute terms, timed here with process CPU time (steadier
+    than wall time on a shared machine), and the curve they give: in-cluster products cost
+    copies x cluster size per row (fixed); assignment costs one product with every leaf centroid,
+    whose number grows with N (rows / cluster_size x the leaves per k-means cluster after splits)."""
+    from spark_jobs.near_dup_clusters import pairs_in_cluster, top_clusters, unit_rows
+
+    rng = np.random.default_rng(0)
+    rows = unit(rng.normal(size=(cluster_size, 2, DIM))).reshape(cluster_size, 2 * DIM).astype(np.float32)
+    import pandas as pd
+
+    pdf = pd.DataFrame({"_key": np.arange(cluster_size, dtype=np.int64), "_id": [f"r{i}" for i in range(cluster_size)],
+                        "_group": np.zeros(cluster_size, np.int64), "_vec": list(rows)})
+    t = time.process_time()
+    for _ in range(5):
+        pairs_in_cluster(pdf, 0.9)
+    in_cluster = (time.process_time() - t) / 5 / cluster_size  # s per member of one cluster
+    x = unit_rows(rng.normal(size=(20_000, 2 * DIM)).astype(np.float32))
+    c = unit_rows(rng.normal(size=(2_000, 2 * DIM)).astype(np.float32))
+    t = time.process_time()
+    top_clusters(x, c, probes, 0.05)
+    per_dot = (time.process_time() - t) / (len(x) * len(c))  # s per row x centroid
+    curve = []
+    for n in sizes:
+        leaves = math.ceil(n / cluster_size) * leaves_per_cluster
+        curve.append({"rows": n, "leaves": round(leaves), "in_cluster_cpu_s": round(n * copies_per_row * in_cluster, 1),
+                      "assign_cpu_s": round(n * leaves * per_dot, 1)})
+    for a, b in zip(curve, curve[1:], strict=False):
+        b["rows_ratio_vs_prev"] = round(b["rows"] / a["rows"], 2)
+        b["compute_ratio_vs_prev"] = round((b["in_cluster_cpu_s"] + b["assign_cpu_s"]) /
+                                           (a["in_cluster_cpu_s"] + a["assign_cpu_s"]), 2)
+    return {"in_cluster_s_per_copy": in_cluster, "assign_s_per_row_centroid": per_dot, "curve": curve}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--master", default="local[2]")
     ap.add_argument("--driver-memory", default="6g", help="local mode: the JVM heap (1g fails at 250 k rows)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--model-only", action="store_true",
+                    help="only time the two compute terms and print the analytic curve (no Spark)")
+    ap.add_argument("--copies-per-row", type=float, default=1.55, help="model: cluster memberships per row (runs report it)")
+    ap.add_argument("--leaves-per-cluster", type=float, default=1.9, help="model: clusters after splits / k")
     a = ap.parse_args(argv)
+    if a.model_only:
+        print(json.dumps(cost_model(a.cluster_size, 2, a.copies_per_row, a.leaves_per_cluster), indent=2))
+        return 0
     res: dict = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                  "machine": f"{platform.node()} {os.cpu_count()} cpus, load avg {os.getloadavg()[0]:.1f}",
                  "command": "bench/dedup_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]), "runs": []}
@@ -146,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 Path(a.json).write_text(json.dumps(res, indent=2))
     runs = res["runs"]
     res["time_ratios"] = [round(b["seconds"] / x["seconds"], 2) for x, b in zip(runs, runs[1:], strict=False)]
+    res["cpu_ratios"] = [round(b["cpu_seconds"] / x["cpu_seconds"], 2) for x, b in zip(runs, runs[1:], strict=False)]
     res["load_avg_at_end"] = round(os.getloadavg()[0], 1)
     spark.stop()
     print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=2))

@@ -36,6 +36,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 
+from bench.proc_cpu import cpu_seconds  # noqa: E402
+
 
 def sample_rows(scale: int) -> list[dict]:
     """The generated sample x scale as the filter's render input: the records enrich keeps, with
@@ -134,22 +136,6 @@ def semi_synthetic(n: int, centres: np.ndarray, seed: int, rows_per_topic: int =
     idx = np.nonzero(twins)[0]
     base[idx] = unit_halves(base[idx - 1] + rng.normal(0, 0.0165, (len(idx), 2 * dim)))
     return base.astype(np.float32), len(idx)
-
-
-def cpu_seconds() -> float:
-    """CPU time of this process and its descendants (the Spark JVM, its Python workers): on a shared
-    machine this is steadier than wall time."""
-    import psutil
-
-    me = psutil.Process()
-    total = 0.0
-    for p in [me, *me.children(recursive=True)]:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system + t.children_user + t.children_system
-        except psutil.Error:
-            pass
-    return total
 
 
 def bench_lsh(spark, n: int, centres: np.ndarray, work: Path, rows_per_topic: int = 20, topics: int | None = None) -> dict:

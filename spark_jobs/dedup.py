@@ -178,13 +178,24 @@ def lsh_warnings(rows: int, s: LshSettings) -> tuple[str, ...]:
     return ()
 
 
+def cluster_warnings(largest: int, unsplit_oversized: int, s: ClusterSettings) -> tuple[str, ...]:
+    """In-cluster work is quadratic in a cluster's size: say so when splitting did not bound it."""
+    limit = s.max_cluster_factor * s.cluster_size
+    if largest <= 2 * limit:  # the estimates that drive the splits are from a sample: allow their noise
+        return ()
+    return (f"largest near-duplicate cluster {largest:,} rows (limit {limit:,.0f} = max_cluster_factor x cluster_size; "
+            f"{unsplit_oversized} still oversized after split_rounds={s.split_rounds}): its pairwise work grows with "
+            f"the square of its size; raise near_dup_split_rounds or lower near_dup_max_cluster_factor",)
+
+
 def settings_for(f) -> NearDupSettings:
     """NearDupSettings of a FilterSection (pipeline_core.config); LSH settings are used as given
     (`plan_lsh` says what a row count needs, `near_duplicates` warns when they fall short)."""
     return NearDupSettings(
         threshold=f.near_dup_threshold, method=f.near_dup_method, recall_sample=f.near_dup_recall_sample,
         cluster=ClusterSettings(cluster_size=f.near_dup_cluster_size, probes=f.near_dup_probes,
-                                probe_margin=f.near_dup_probe_margin, seed=f.lsh_seed),
+                                probe_margin=f.near_dup_probe_margin, max_cluster_factor=f.near_dup_max_cluster_factor,
+                                split_rounds=f.near_dup_split_rounds, seed=f.lsh_seed),
         lsh=LshSettings(bands=f.lsh_bands, rows_per_band=f.lsh_rows_per_band, min_band_matches=f.lsh_min_band_matches,
                         max_leaders=f.lsh_max_leaders, seed=f.lsh_seed))
 
@@ -216,9 +227,9 @@ def near_duplicates(df: DataFrame, *, key: str, vec: str, settings: NearDupSetti
         frame = frame.persist()
         size_stats = sizes.agg(F.count(F.lit(1)).alias("k"), F.max("count").alias("mx"), F.avg("count").alias("avg")).first()
         extra = {"clusters": int(size_stats["k"] or 0), "largest_cluster": int(size_stats["mx"] or 0),
-                 "mean_cluster": round(float(size_stats["avg"] or 0), 1)}
+                 "mean_cluster": round(float(size_stats["avg"] or 0), 1), "split_clusters": clustering.split_clusters}
         params = {**c.__dict__, "sample_rows": clustering.sample_rows}
-        expected, warnings = None, ()
+        expected, warnings = None, cluster_warnings(extra["largest_cluster"], clustering.unsplit_oversized, c)
     else:
         s = settings.lsh
         frame = find_near_duplicates(df, key=key, vec=vec, threshold=t, bands=s.bands, rows_per_band=s.rows_per_band,
@@ -227,8 +238,8 @@ def near_duplicates(df: DataFrame, *, key: str, vec: str, settings: NearDupSetti
         params = dict(s.__dict__)
         expected = round(lsh_candidate_probability(t, s.bands, s.rows_per_band, s.min_band_matches), 4)
         warnings = lsh_warnings(rows, s)
-        for w in warnings:
-            log.warning("near duplicates: %s", w)
+    for w in warnings:
+        log.warning("near duplicates: %s", w)
     measured = None
     if settings.recall_sample > 0 and rows > 1:
         measured = measure_recall(df, frame, key=key, vec=vec, threshold=t, rows=rows, sample=settings.recall_sample,

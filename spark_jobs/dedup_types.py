@@ -15,8 +15,10 @@ class ClusterSettings:
     cluster_size: int = 2000  # target rows per k-means cluster: the work per row
     probes: int = 2  # clusters a row may join
     probe_margin: float = 0.05  # a further centroid is joined only when its cosine is within this of the nearest
-    sample_per_cluster: int = 16  # k-means training rows per centroid
-    kmeans_iterations: int = 10
+    sample_per_cluster: int = 32  # k-means training rows per centroid (as many again count the clusters)
+    kmeans_iterations: int = 20  # at most; fewer when no sample row moves
+    max_cluster_factor: float = 4.0  # a cluster estimated above this x cluster_size is split
+    split_rounds: int = 3  # rounds of splitting (0 = never split)
     seed: int = 0
 
 
@@ -63,6 +65,7 @@ class NearDupReport:
     clusters: int | None = None
     largest_cluster: int | None = None
     mean_cluster: float | None = None
+    split_clusters: int | None = None  # k-means clusters replaced by a k-means of their own members
     warnings: tuple[str, ...] = ()
 
     def as_manifest(self) -> dict:

@@ -131,6 +131,35 @@ def keyed(df: DataFrame, fcfg: FilterSection) -> DataFrame:
     return df.withColumn("_check", reason).withColumn("_check_detail", detail).drop("_k")
 
 
+CAP_RANGE_HEX = 3  # the val cap's running sum is computed per 16**3 = 4,096 ranges of the ordering hash
+
+
+def prompts_past_cap(per_prompt: DataFrame, seed: int, cap: int) -> DataFrame:
+    """`_prompt_key` of the prompts (`_prompt_key`, `_n` documents) past `cap` documents in the order
+    of sha256(f"{seed}:{prompt_key}"): those whose running total, this prompt included, exceeds it.
+    The running total is a window per range of the hash's first hex digits plus the documents of
+    every earlier range (4,096 totals through the driver): the prompts a single global running sum
+    would pick, without moving every val prompt into one partition (a window without partitionBy)."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    ordered = (per_prompt.withColumn("_h", F.sha2(F.concat(F.lit(f"{seed}:"), F.col("_prompt_key")), 256))
+               .withColumn("_range", F.substring("_h", 1, CAP_RANGE_HEX)))
+    totals = sorted((r["_range"], int(r["_docs"])) for r in
+                    ordered.groupBy("_range").agg(F.sum("_n").alias("_docs")).collect())  # fixed-width hex: str order
+    before, offsets = 0, []
+    for rng, docs in totals:
+        offsets.append((rng, before))
+        before += docs
+    spark = per_prompt.sparkSession
+    if before <= cap:
+        return spark.createDataFrame([], "_prompt_key string")
+    w = Window.partitionBy("_range").orderBy("_h", "_prompt_key").rowsBetween(Window.unboundedPreceding, 0)
+    return (ordered.join(F.broadcast(spark.createDataFrame(offsets, "_range string, _before long")), "_range")
+            .withColumn("_cum", F.col("_before") + F.sum("_n").over(w))
+            .filter(F.col("_cum") > cap).select("_prompt_key"))
+
+
 def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: list | None = None) -> DataFrame:
     """(`_file`, `_row`, `_key`, `reason`, `detail`, `split`) for every row: `reason` null = kept, in
     `split`. Computed on a lean persisted frame (no messages; the conversation UDF runs once). The
@@ -169,11 +198,7 @@ def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: 
     # with every answer to it, to train (nothing is dropped, no prompt is on both sides).
     val = eligible.withColumn("_s", split_column("_prompt_key", fcfg.seed, fcfg.val_fraction)).filter(F.col("_s") == VAL)
     per_prompt = val.groupBy("_prompt_key").agg(F.count(F.lit(1)).alias("_n"))
-    from pyspark.sql import Window
-
-    w = Window.orderBy(F.sha2(F.concat(F.lit(f"{fcfg.seed}:"), F.col("_prompt_key")), 256), "_prompt_key")
-    over = (per_prompt.withColumn("_cum", F.sum("_n").over(w.rowsBetween(Window.unboundedPreceding, 0)))
-            .filter(F.col("_cum") > fcfg.val_max_documents).select("_prompt_key"))
+    over = prompts_past_cap(per_prompt, fcfg.seed, fcfg.val_max_documents)
     moved = val.join(over, "_prompt_key").select(
         "_key", F.lit(None).cast("string").alias("reason"), F.lit(None).cast("string").alias("detail"),
         F.lit("train").alias("split"))

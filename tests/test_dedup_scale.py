@@ -13,7 +13,7 @@ import pytest
 from spark_jobs.dedup import lsh_candidate_probability, lsh_warnings, plan_lsh
 from spark_jobs.dedup_recall import wilson
 from spark_jobs.dedup_types import ClusterSettings, LshSettings, NearDupSettings
-from spark_jobs.near_dup_clusters import pairs_in_cluster, spherical_kmeans
+from spark_jobs.near_dup_clusters import pairs_in_cluster, spherical_kmeans, split_oversized, top_clusters
 
 DIM = 16  # per half: [q; a] rows have 2 * DIM values
 
@@ -33,6 +33,27 @@ def clustered_rows(n: int, topics: int, seed: int) -> np.ndarray:
     twins = twins[twins > 0]
     v[twins] = halves(v[twins - 1] + rng.normal(0, 0.03, (len(twins), 2 * DIM)))
     return v
+
+
+def skewed_rows(n: int, seed: int, dim: int = 128) -> np.ndarray:
+    """70% of rows in one compact blob, the rest in 20 looser topics, 10% planted twins at cosine
+    0.90-0.99 (both halves), `dim` values per half. k-means++ seeds land in the blob rarely (its rows
+    are near each other), so plain k-means leaves it as one cluster over twice the target size."""
+    rng = np.random.default_rng(seed)
+    centres = halves(rng.normal(size=(21, 2 * dim)))
+    topic = np.where(rng.random(n) < 0.7, 0, rng.integers(1, 21, n))
+    v = halves(centres[topic] + rng.normal(0, 1, (n, 2 * dim)) * np.where(topic == 0, 0.07, 0.1)[:, None])
+    twins = np.nonzero(rng.random(n) < 0.1)[0]
+    twins = twins[(twins > 0) & ~np.isin(twins - 1, twins)]  # never a twin of a twin
+    c = rng.uniform(0.90, 0.99, len(twins))
+    v = v.reshape(n, 2, dim)
+    for h in range(2):
+        base = v[twins - 1, h]
+        u = rng.normal(size=base.shape)
+        u -= (u * base).sum(1, keepdims=True) * base
+        u /= np.linalg.norm(u, axis=1, keepdims=True)
+        v[twins, h] = c[:, None] * base + np.sqrt(1 - c[:, None] ** 2) * u
+    return v.reshape(n, 2 * dim).astype(np.float32)
 
 
 def brute_force(v: np.ndarray, keys: np.ndarray, threshold: float, groups: np.ndarray | None = None) -> dict[int, int]:
@@ -80,6 +101,30 @@ def test_spherical_kmeans_is_deterministic_and_unit():
     a, b = spherical_kmeans(x, 8, 10, seed=0), spherical_kmeans(x, 8, 10, seed=0)
     assert np.array_equal(a, b)
     assert np.allclose(np.linalg.norm(a, axis=1), 1, atol=1e-5)
+
+
+def test_split_oversized_bounds_the_clusters_plain_kmeans_leaves_too_big():
+    """On the skewed rows, k-means alone leaves clusters above max_cluster_factor x cluster_size
+    (counted over all rows, probes included); after splitting none is, and the result is the same
+    on a second call."""
+    n, s = 4000, ClusterSettings(cluster_size=100)
+    x = skewed_rows(n, seed=0)
+    perm = np.random.default_rng(1).permutation(n)
+    fit, count = x[np.sort(perm[:1280])], x[np.sort(perm[1280:2560])]
+    plain = spherical_kmeans(fit, 40, s.kmeans_iterations, seed=0)
+
+    def largest(c):
+        top, joined = top_clusters(x, c, s.probes, s.probe_margin)
+        return np.bincount(top[joined], minlength=len(c)).max()
+
+    limit = s.max_cluster_factor * s.cluster_size
+    assert largest(plain) > 2 * limit
+    split, n_split, unsplit = split_oversized(fit, count, plain, n, s)
+    assert n_split >= 1 and unsplit == 0 and len(split) > len(plain)
+    assert largest(split) <= limit
+    assert np.array_equal(split, split_oversized(fit, count, plain, n, s)[0])
+    _, none_split, still = split_oversized(fit, count, plain, n, ClusterSettings(cluster_size=100, split_rounds=0))
+    assert none_split == 0 and still >= 1
 
 
 def test_wilson_interval():
@@ -144,6 +189,37 @@ def test_cluster_method_matches_brute_force_and_reports_measured_recall(spark, t
     assert r.measured is not None and r.measured.with_duplicate > 10
     assert r.measured.found <= r.measured.with_duplicate and r.measured.low_95 <= r.measured.recall
     assert r.as_manifest()["measured"]["recall"] == r.measured.recall
+
+
+def test_skewed_input_biggest_cluster_is_split_and_keeps_its_recall(spark, tmp_path):
+    """The stage's entry point on rows where k-means alone leaves one cluster over twice the limit:
+    the report says clusters were split and the largest is within the limit; no row is dropped
+    without a smaller-key near duplicate (each representative is one), the recall against brute
+    force is >= 0.95 (the issue's target), and the report's measured recall agrees with it."""
+    from spark_jobs.dedup import near_duplicates
+
+    n = 4000
+    v = skewed_rows(n, seed=0)
+    keys = np.random.default_rng(3).choice(1 << 30, size=n, replace=False).astype(np.int64)
+    want = brute_force(v, keys, 0.9)
+    # 3 probes: a split region is dense, many of its pairs sit near a boundary between siblings; with
+    # the default 2 this input gives 0.950 (the bench's 250 k anisotropic rows: 0.980, bench/RESULTS.md)
+    c = ClusterSettings(cluster_size=100, probes=3)
+    got = near_duplicates(frame(spark, v, keys, 3, tmp_path), key="_key", vec="_vec",
+                          settings=NearDupSettings(threshold=0.9, method="cluster", cluster=c, recall_sample=n))
+    found = {int(r["_key"]): (int(r["_near_rep"][2:]), r["_near_sim"]) for r in got.frame.collect()}
+    got.frame.unpersist()
+    r = got.report
+    assert r.split_clusters >= 1 and r.clusters > math.ceil(n / c.cluster_size)
+    assert r.largest_cluster <= c.max_cluster_factor * c.cluster_size and r.warnings == ()
+    assert len(want) > 300 and set(found) <= set(want)
+    by_key = dict(zip(keys.tolist(), range(n), strict=True))
+    for k, (rep, sim) in found.items():  # the representative is a smaller-key near duplicate
+        assert rep < k and sim >= 0.9
+        assert float(v[by_key[k]].astype(np.float64) @ v[by_key[rep]].astype(np.float64)) / 2 >= 0.9
+    recall = len(found) / len(want)
+    assert recall >= 0.95
+    assert r.measured.with_duplicate == len(want) and r.measured.recall == round(recall, 4)
 
 
 def test_measured_recall_sees_a_method_that_misses(spark, tmp_path):
