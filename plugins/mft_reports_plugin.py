@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from airflow.plugins_manager import AirflowPlugin
 
-from plugins.mft_airflow.report_views import PAGE_ROUTE, ROUTE_PREFIX, build_app
+from plugins.mft_airflow.report_links import ROUTE_PREFIX, page_route
+from plugins.mft_airflow.report_views import build_app
 
 
 class MftReportsPlugin(AirflowPlugin):
     name = "mft_reports"
     fastapi_apps = [{"app": build_app(), "url_prefix": ROUTE_PREFIX, "name": "MFT data reports"}]
-    external_views = [{"name": "Data report", "href": PAGE_ROUTE, "destination": "dag_run",
+    external_views = [{"name": "Data report", "href": page_route(), "destination": "dag_run",
                        "url_route": "data-report"}]

@@ -28,7 +28,7 @@ from airflow.sdk.serde import deserialize
 from pipeline_core import uris
 from pipeline_core.artifacts import read_manifest, verify_artifact
 from plugins.mft_airflow.operators import StageResult  # noqa: F401  (registers the plan for deserialization)
-from plugins.mft_airflow.report_views import report_view_url
+from plugins.mft_airflow.report_links import report_view_url
 from plugins.mft_airflow.run_plan import RunPlan
 from tests.conftest import free_port
 from tests.dag_helpers import BIN, DAG_ID, REPO, PostgresCluster, airflow, airflow_env, init_db

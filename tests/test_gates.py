@@ -48,7 +48,7 @@ def test_run_note_links_the_report_keeps_a_written_note_and_is_not_repeated():
 def test_links_open_the_api_servers_copy_of_the_report_when_there_is_one():
     """The store's URI stays the text; a browser follows the API server's route for the run's report
     (plugins/mft_airflow/report_views.py) when `[api] base_url` gave one."""
-    from plugins.mft_airflow.report_views import report_view_url
+    from plugins.mft_airflow.report_links import report_view_url
 
     view = report_view_url("http://airflow.example:8080/", "mistral_finetune", "manual__2026-01-01T02:00:00+00:00")
     assert view == ("http://airflow.example:8080/mft-reports/mistral_finetune/"

@@ -28,7 +28,7 @@ import yaml
 from pipeline_core import uris
 from pipeline_core.artifacts import read_manifest
 from pipeline_core.pointers import read_pointer
-from plugins.mft_airflow.report_views import report_view_url
+from plugins.mft_airflow.report_links import report_view_url
 from reports.data_report import report_page_uri, report_uri
 from tests.browser import browser_page, keep_screenshot, require_chromium
 from tests.conftest import free_port

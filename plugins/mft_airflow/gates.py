@@ -4,7 +4,7 @@
 committed artifacts only and commits `datasets/<version>/report/<id>/`; its XCom (and the task's
 "Data report" extra link) name the page, and so does the DAG run's note. A browser cannot open the
 store's URI, so the links point at the API server's route for the run's report
-(`report_views.py`, Airflow's `[api] base_url`) and the run page has a "Data report" tab. The Task SDK (Execution
+(`report_views.py`, `report_links.py`, Airflow's `[api] base_url`) and the run page has a "Data report" tab. The Task SDK (Execution
 API) can set a note only on a run it triggers, not on its own, so the note goes through the public
 REST API (`PATCH /api/v2/dags/<dag>/dagRuns/<run>?update_mask=note`) with the deployment's HTTP
 connection `mft_airflow_api` (host = the API server's base URL; login/password of a user allowed to
@@ -29,7 +29,7 @@ from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import BaseOperator, BaseOperatorLink
 from airflow.sdk.exceptions import AirflowSkipException
 
-from plugins.mft_airflow.report_views import REPORT_TASK_ID, report_view_url
+from plugins.mft_airflow.report_links import REPORT_TASK_ID, report_view_url
 from plugins.mft_airflow.run_plan import RunPlan
 
 APPROVAL_RECORD = "approval.json"

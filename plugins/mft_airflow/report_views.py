@@ -1,7 +1,7 @@
 """A DAG run's data report, served by the Airflow API server, so its link opens in a browser.
 
 The report is committed to the object store (`s3://…` or `file://…`), which a browser cannot open.
-`report_app` is mounted by the plugin `plugins/mft_reports_plugin.py` under `ROUTE_PREFIX`:
+`build_app()` is mounted by the plugin `plugins/mft_reports_plugin.py` under `ROUTE_PREFIX`:
 
     GET <api base>/mft-reports/<dag_id>/<run_id>/<file>     e.g. …/data/index.html, …/data/charts/x.png
 
@@ -20,23 +20,10 @@ from __future__ import annotations
 
 import mimetypes
 from dataclasses import dataclass
-from urllib.parse import quote
 
 from fastapi import Depends, FastAPI, HTTPException, Response
 
-from reports.data_report import PAGE
-
-ROUTE_PREFIX = "/mft-reports"
-REPORT_TASK_ID = "data_report"
-# the run's tab in the UI: relative (no leading slash, so it works under a proxy's path prefix);
-# the UI fills in {DAG_ID} and {RUN_ID}
-PAGE_ROUTE = f"{ROUTE_PREFIX.lstrip('/')}/{{DAG_ID}}/{{RUN_ID}}/{PAGE}"
-
-
-def report_view_url(base_url: str, dag_id: str, run_id: str, path: str = PAGE) -> str:
-    """Where a browser opens the run's report (`base_url`: Airflow's `[api] base_url`, the address
-    users reach the UI at)."""
-    return f"{base_url.rstrip('/')}{ROUTE_PREFIX}/{quote(dag_id, safe='')}/{quote(run_id, safe='')}/{path}"
+from plugins.mft_airflow.report_links import REPORT_TASK_ID
 
 
 @dataclass(frozen=True)
