@@ -335,11 +335,33 @@ def fetch_artifact(
 
 
 def _fetch_file(store: Any, key: str, dest: Path, f: dict[str, Any], name: str) -> None:
-    """One verified download; a mismatch is read again (a corrupted GET on the wire is transient,
-    corrupt bytes at rest are not and fail every attempt)."""
+    """One verified download (see `_verified_read`)."""
+    _verified_read(lambda: (None, store.get_file(key, dest, expected_sha256=f["sha256"]).size), f, name)
+
+
+def read_artifact_file(manifest: Manifest, path: str, storage: StorageSection | None = None) -> bytes:
+    """The bytes of the committed artifact's file `path` (as the manifest lists it), verified like
+    `fetch_artifact`'s files; FileNotFoundError when the manifest does not list `path`."""
+    f = next((f for f in manifest.files if f["path"] == path), None)
+    if f is None:
+        raise FileNotFoundError(f"{path!r} is not a file of the committed artifact {manifest.uri}")
+    store, key = open_store(manifest.uri, storage)
+    key = f"{key.rstrip('/')}/{manifest.object_path(path)}"
+
+    def get() -> tuple[bytes, int]:
+        data = store.get_bytes(key, expected_sha256=f["sha256"])
+        return data, len(data)
+
+    return _verified_read(get, f, uris.join(manifest.uri, path))
+
+
+def _verified_read(get: Callable[[], tuple[Any, int]], f: dict[str, Any], name: str) -> Any:
+    """`get()` (its value and the size it read) checked against the manifest entry `f`; a sha256
+    mismatch is read again (a corrupted GET on the wire is transient, corrupt bytes at rest are not
+    and fail every attempt)."""
     for attempt in range(1, READ_ATTEMPTS + 1):
         try:
-            info = store.get_file(key, dest, expected_sha256=f["sha256"])
+            value, size = get()
         except ObjectNotFound:
             raise CorruptArtifact(f"{name} is listed in the manifest but missing from the store") from None
         except ChecksumMismatch as e:
@@ -347,9 +369,9 @@ def _fetch_file(store: Any, key: str, dest: Path, f: dict[str, Any], name: str) 
                 raise CorruptArtifact(f"{name} is corrupt ({READ_ATTEMPTS} reads): {e}") from None
             log.warning("%s: read %d/%d did not verify (%s); reading again", name, attempt, READ_ATTEMPTS, e)
             continue
-        if info.size != f["size"]:
-            raise CorruptArtifact(f"{name} is corrupt: size {info.size} != manifest's {f['size']}")
-        return
+        if size != f["size"]:
+            raise CorruptArtifact(f"{name} is corrupt: size {size} != manifest's {f['size']}")
+        return value
 
 
 def verify_artifact(uri: str, storage: StorageSection | None = None) -> Manifest:

@@ -17,6 +17,7 @@ from pipeline_core.artifacts import (
     CorruptArtifact,
     fetch_artifact,
     publish_artifact,
+    read_artifact_file,
     read_manifest,
 )
 from pipeline_core.config import StorageSection
@@ -93,6 +94,30 @@ def test_a_corrupted_get_is_read_again(s3_server, tmp_path):
         with pytest.raises(CorruptArtifact, match="part-00001"):
             fetch_artifact(uri, tmp_path / "out2", storage)
         assert proxy.corrupted == artifacts.READ_ATTEMPTS
+
+
+def test_one_file_read_in_memory_is_verified_like_a_fetch(s3_server, tmp_path):
+    """`read_artifact_file` (the served data report, the run summary's metrics): the listed file's
+    bytes, a corrupted GET read again, corrupt bytes at rest refused, an unlisted path refused."""
+    bucket = s3_server.new_bucket()
+    uri = f"s3://{bucket}/datasets/v/report/r"
+    payload = make_payload(tmp_path / "p")
+    m = publish_artifact(payload, uri, kind="report", storage=s3_server.storage)
+    path = "data/part-00001.parquet"
+    with FaultProxy(s3_server.endpoint, fail_first=1, methods=("GET",), path_contains="part-00001",
+                    corrupt=True) as proxy:
+        storage = StorageSection(endpoint_url=proxy.endpoint, max_attempts=3)
+        assert read_artifact_file(m, path, storage) == (payload / path).read_bytes()
+        assert proxy.corrupted == 1
+    with FaultProxy(s3_server.endpoint, fail_first=100, methods=("GET",), path_contains="part-00001",
+                    corrupt=True) as proxy:
+        storage = StorageSection(endpoint_url=proxy.endpoint, max_attempts=3)
+        with pytest.raises(CorruptArtifact, match="part-00001"):
+            read_artifact_file(m, path, storage)
+        assert proxy.corrupted == artifacts.READ_ATTEMPTS
+    for unlisted in ("_manifest.json", "data/part-00009.parquet", "data/../_manifest.json"):
+        with pytest.raises(FileNotFoundError, match="is not a file of the committed artifact"):
+            read_artifact_file(m, unlisted, s3_server.storage)
 
 
 def test_conditional_request_conflict_409_is_retried_not_read_as_exists(s3_server):

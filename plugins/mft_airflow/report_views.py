@@ -47,10 +47,8 @@ def _run_report_uri(dag_id: str, run_id: str) -> str | None:
 
 def read_report_file(dag_id: str, run_id: str, path: str) -> ReportFile:
     """The committed file `path` of the run's report; HTTPException(404) for anything else."""
-    from pipeline_core import uris
-    from pipeline_core.artifacts import read_manifest
+    from pipeline_core.artifacts import read_artifact_file, read_manifest
     from pipeline_core.config import load_config
-    from pipeline_core.store import open_store
     from plugins.mft_airflow.settings import load_settings
 
     uri = _run_report_uri(dag_id, run_id)
@@ -62,11 +60,12 @@ def read_report_file(dag_id: str, run_id: str, path: str) -> ReportFile:
     if not uri.startswith(store_root):
         raise HTTPException(404, f"the report {uri} is outside this deployment's store {store_root}")
     manifest = read_manifest(uri, cfg.storage)
-    entry = next((f for f in (manifest.files if manifest else []) if f["path"] == path), None)
-    if entry is None:
-        raise HTTPException(404, f"{path!r} is not a file of the committed report {uri}")
-    store, key = open_store(uris.join(uri, manifest.object_path(path)), cfg.storage)
-    data = store.get_bytes(key, expected_sha256=entry.get("sha256"))
+    if manifest is None:
+        raise HTTPException(404, f"the report {uri} is not committed")
+    try:
+        data = read_artifact_file(manifest, path, cfg.storage)
+    except FileNotFoundError:
+        raise HTTPException(404, f"{path!r} is not a file of the committed report {uri}") from None
     return ReportFile(data, mimetypes.guess_type(path)[0] or "application/octet-stream")
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from pipeline_core import layout, uris
 from pipeline_core.artifacts import (
     ArtifactError,
+    read_artifact_file,
     read_latest,
     read_manifest,
     require_manifest,
@@ -39,10 +40,8 @@ def _losses(report_uri: str, storage: StorageSection | None) -> dict[str, Any]:
     out: dict[str, Any] = {k: v for k, v in report.extra.items() if v is not None}
     csv_path = next((f["path"] for f in report.files if f["path"].endswith("metrics.csv")), None)
     if csv_path:
-        store, key = open_store(report_uri, storage)
-        sha = next(f["sha256"] for f in report.files if f["path"] == csv_path)
-        rows = [r for r in csv.DictReader(io.StringIO(store.get_bytes(f"{key.rstrip('/')}/{report.object_path(csv_path)}", sha).decode()))
-                if r.get("loss") not in (None, "", "None")]
+        text = read_artifact_file(report, csv_path, storage).decode()
+        rows = [r for r in csv.DictReader(io.StringIO(text)) if r.get("loss") not in (None, "", "None")]
         if rows:
             out.update(loss_start=float(rows[0]["loss"]), loss_end=float(rows[-1]["loss"]),
                        first_step=int(rows[0]["step"]), last_step=int(rows[-1]["step"]))
