@@ -135,3 +135,43 @@ def checkpoint_run(s3_server, tmp_path: Path) -> dict:
     publish_artifact(inp, input_uri, kind="train-ready", storage=s3_server.storage)
     return {"run": uris.join(store, "runs", "r1"), "input": input_uri, "storage": s3_server.storage,
             "staging": tmp_path / "staging" / "runs" / "r1"}
+
+
+# One Spark JVM for every Spark test module (a start costs ~10 s of a 2-core CI machine each).
+SPARK_TEST_SETTINGS = {"spark.ui.enabled": "false", "spark.sql.execution.arrow.maxRecordsPerBatch": "512"}
+
+
+@pytest.fixture(scope="session")
+def _spark_jvm() -> Iterator[None]:
+    """Stops whichever session is active when the test session ends (py4j logs errors if the
+    gateway is only collected at interpreter exit)."""
+    yield
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        active.stop()
+
+
+@pytest.fixture(scope="module")
+def spark(request, _spark_jvm):
+    """The shared local[2] SparkSession. A module's `SPARK_CONF` (runtime SQL settings) applies to
+    that module only: every setting the module or a stage under test changed is put back after it,
+    and its cached frames are dropped, so modules cannot see each other's state. A stage that owns
+    its session stops it; the next module then gets a fresh one (getOrCreate)."""
+    from spark_jobs.common import spark_session
+
+    s = spark_session("tests", "local[2]", 2, SPARK_TEST_SETTINGS)
+    before = dict(s.conf.getAll)
+    for k, v in getattr(request.module, "SPARK_CONF", {}).items():
+        s.conf.set(k, v)
+    yield s
+    if s.sparkContext._jsc is None:  # stopped under the module
+        return
+    s.catalog.clearCache()
+    after = dict(s.conf.getAll)
+    for k in after.keys() - before.keys():
+        s.conf.unset(k)
+    for k, v in before.items():
+        if after.get(k) != v and s.conf.isModifiable(k):
+            s.conf.set(k, v)

@@ -227,6 +227,32 @@ def test_rest_trigger_as_authenticated_user(stack):
     assert none.status_code == 404 and "has no data report" in none.text, none.text
 
 
+def test_run_note_is_set_through_the_connection_with_login(stack, monkeypatch):
+    """`data_report`'s note path as a deployment configures it: the `mft_airflow_api` connection
+    with a user's login and password (a token from POST /auth/token), against the signed-in stack.
+    A user who may not edit runs, or a wrong password, leaves the note alone and says why."""
+    import logging
+
+    from plugins.mft_airflow.gates import set_run_note
+
+    run_id = "ui-trigger-1"  # test_rest_trigger_as_authenticated_user's run
+    api = _api(stack, stack.token())
+    note_url = f"{stack.url}/api/v2/dags/{DAG_ID}/dagRuns/{run_id}"
+    assert api.get(note_url, timeout=10).status_code == 200, "the trigger test's run is missing"
+
+    def conn(name: str, login: str, password: str) -> str:
+        monkeypatch.setenv(f"AIRFLOW_CONN_{name.upper()}", json.dumps(
+            {"conn_type": "http", "host": stack.url, "login": login, "password": password}))
+        return name
+
+    log = logging.getLogger("test-note")
+    assert set_run_note(conn("mft_note_viewer", VIEWER, VIEWER_PASSWORD), DAG_ID, run_id, "viewer's note", log) is False
+    assert set_run_note(conn("mft_note_wrong", USER, "wrong"), DAG_ID, run_id, "wrong pw's note", log) is False
+    assert api.get(note_url, timeout=10).json().get("note") in (None, "")
+    assert set_run_note(conn("mft_note_bot", USER, PASSWORD), DAG_ID, run_id, "**Data report**: x", log) is True
+    assert api.get(note_url, timeout=10).json()["note"] == "**Data report**: x"
+
+
 def test_backfill_two_dates_two_dataset_versions(stack):
     api = _api(stack, stack.token())
     _wait_for_dag(stack, api)

@@ -28,16 +28,6 @@ from tests.filter_helpers import FILTER_SETTINGS, KEEP, enriched_table, publish_
 DEEP = 100_000  # nesting levels: far past Python's recursion limit (json.loads raises RecursionError)
 
 
-@pytest.fixture(scope="module")
-def spark():
-    from spark_jobs.common import spark_session
-
-    s = spark_session("test-bad-input", "local[2]", 2, {"spark.sql.execution.arrow.maxRecordsPerBatch": "512",
-                                                        "spark.ui.enabled": "false"})
-    yield s
-    s.stop()
-
-
 def enrich_cfg(tmp: Path, max_reject_ratio: float = 0.5, **enrich_overrides):
     return load_config(env={}, overrides={
         "pipeline.staging_uri": uris.qualify(tmp / "staging"),

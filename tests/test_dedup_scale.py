@@ -146,13 +146,7 @@ def test_plan_lsh_keeps_buckets_under_the_cap_and_reaches_the_target():
     assert "max_leaders=32" in w and "lsh_rows_per_band" in w
 
 
-@pytest.fixture(scope="module")
-def spark():
-    from spark_jobs.common import spark_session
-
-    s = spark_session("test-dedup-scale", "local[2]", 4, {"spark.ui.enabled": "false"})
-    yield s
-    s.stop()
+SPARK_CONF = {"spark.sql.shuffle.partitions": "4"}  # runtime settings for this module on the shared session (conftest `spark`)
 
 
 def frame(spark, v: np.ndarray, keys: np.ndarray, partitions: int, tmp_path):

@@ -41,16 +41,6 @@ def _cfg(tmp: Path, **enrich_overrides):
 
 
 @pytest.fixture(scope="module")
-def spark():
-    from spark_jobs.common import spark_session
-
-    s = spark_session("test-enrich", "local[2]", 2, {"spark.sql.execution.arrow.maxRecordsPerBatch": "512",
-                                                      "spark.ui.enabled": "false"})
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def sample_run(spark, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("enrich")
     cfg = _cfg(tmp)

@@ -19,15 +19,6 @@ from spark_jobs import enrich
 from tests.conftest import REPO
 
 
-@pytest.fixture(scope="module")
-def spark():
-    from spark_jobs.common import spark_session
-
-    s = spark_session("test-error-paths", "local[2]", 2, {"spark.ui.enabled": "false"})
-    yield s
-    s.stop()
-
-
 def _cfg(tmp: Path):
     return load_config(env={}, overrides={"pipeline.staging_uri": uris.qualify(tmp / "staging"),
                                           "enrich": {"spark_master": "local[2]", "shuffle_partitions": 2,

@@ -38,15 +38,6 @@ def twice_answered() -> list[Rec]:
     return recs
 
 
-@pytest.fixture(scope="module")
-def spark():
-    from spark_jobs.common import spark_session
-
-    s = spark_session("test-filter-conv", "local[2]", 2, {"spark.ui.enabled": "false"})
-    yield s
-    s.stop()
-
-
 def _cfg(root: Path, **filter_overrides):
     return load_config(env={}, overrides={
         "filter": {"seq_len": 128, "max_tokens": 256, "min_answer_tokens": 1, "val_fraction": 0.3,

@@ -29,15 +29,6 @@ from tests.filter_helpers import (
 )
 
 
-@pytest.fixture(scope="module")
-def spark():
-    from spark_jobs.common import spark_session
-
-    s = spark_session("test-filter", "local[2]", 2, {"spark.ui.enabled": "false"})
-    yield s
-    s.stop()  # else py4j's gateway is collected at interpreter exit and logs errors
-
-
 def make_cfg(root: Path, **filter_overrides):
     return load_config(env={}, overrides={
         "filter": {**FILTER_SETTINGS, **filter_overrides},

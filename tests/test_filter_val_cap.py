@@ -11,14 +11,7 @@ import pytest
 
 from spark_jobs.filter_rows import prompts_past_cap
 
-
-@pytest.fixture(scope="module")
-def spark():
-    from spark_jobs.common import spark_session
-
-    s = spark_session("test-filter-val-cap", "local[2]", 4, {"spark.ui.enabled": "false"})
-    yield s
-    s.stop()
+SPARK_CONF = {"spark.sql.shuffle.partitions": "4"}  # runtime settings for this module on the shared session (conftest `spark`)
 
 
 def past_cap_reference(counts: dict[str, int], seed: int, cap: int) -> set[str]:
