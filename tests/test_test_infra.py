@@ -70,3 +70,31 @@ def test_an_s3_test_leaves_no_credentials_behind(tmp_path):
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "2 passed" in out.stdout, out.stdout[-2000:]
+
+
+# Two modules on the one shared Spark session: the second sees none of the first's settings.
+def test_a_spark_module_leaves_no_settings_behind(tmp_path):
+    (tmp_path / "test_spark_a.py").write_text(textwrap.dedent('''
+        SPARK_CONF = {"spark.sql.shuffle.partitions": "7"}
+
+
+        def test_a(spark):
+            assert spark.conf.get("spark.sql.shuffle.partitions") == "7"
+            spark.conf.set("spark.sql.adaptive.enabled", "false")  # as a stage under test might
+            spark.conf.set("spark.mft.probe", "1")
+            spark.range(10).cache().count()
+    '''))
+    (tmp_path / "test_spark_b.py").write_text(textwrap.dedent('''
+        def test_b(spark):
+            assert spark.conf.get("spark.sql.shuffle.partitions") == "2"
+            assert spark.conf.get("spark.sql.adaptive.enabled") == "true"
+            assert spark.conf.get("spark.mft.probe", None) is None
+            assert spark.sparkContext._jsc.sc().getPersistentRDDs().size() == 0, "a cached frame survived"
+    '''))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                          "--rootdir", str(tmp_path), str(tmp_path / "test_spark_a.py"),
+                          str(tmp_path / "test_spark_b.py")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "2 passed" in out.stdout, out.stdout[-2000:]
