@@ -42,7 +42,10 @@ def compile_decoder_layers(module: nn.Module) -> int:
 
     from training.model import DecoderLayerPipe
 
-    compiled = torch.compile(MistralDecoderLayer.forward, dynamic=False)
+    # dynamic=None: shapes start static; a dimension seen changing (cu_seqlens' length on packed rows,
+    # one per document count) becomes symbolic on its first recompile instead of one graph per count,
+    # which hits dynamo's recompile limit within a few micro-batches and leaves the rest eager
+    compiled = torch.compile(MistralDecoderLayer.forward, dynamic=None)
     layers = [m for m in module.modules() if isinstance(m, DecoderLayerPipe)]
     for layer in layers:
         layer.block = functools.partial(compiled, layer)
