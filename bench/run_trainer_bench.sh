@@ -3,7 +3,8 @@
 # + embedding + head (3.75 B parameters), seq 4096, micro-batch 2 x 16, plain causal rows unless a
 # row says packed. All rows in one run, same model shape and rows:
 #   bash bench/run_trainer_bench.sh [phase ...]    phases: main checks extra levers levers2 ckpt wgrad
-#                                                  fp8 fp8parity mb4
+#                                                  fp8 fp8parity fp8speed trainer_mb4 baselines
+#                                                  packedfp8 mb4
 #                                                  (default: main checks extra)
 # main:   the trainer (training/train.py's own setup + loader, fp32 grad accumulation) vs the plain
 #         HF loop with Liger + window-free SDPA + no recompute, (a) pure bf16, (b) fp32 master weights
@@ -23,6 +24,8 @@
 #         slice at lr 1e-4 (PARITY_LR); PARITY_DATA=DIR: real text (bench/parity_corpus.py), else a
 #         repeating random-token pool (the loss falls: memorisation); losses compared
 # fp8speed: the trainer's bf16 and fp8 tensorwise rows at 2 x 16 and 4 x 8 (no HF rows: see main)
+# trainer_mb4 / baselines: fp8speed's last row / main's two HF rows, alone
+# packedfp8: packed rows, 4 layers: bf16 vs fp8 tensorwise + compile_layers (dynamic document counts)
 # mb4:    micro-batch 4 x 8 (same tokens per step): the trainer and the two HF loops
 # Results: $BENCH_OUT/row_*.json + logs, the table printed last (bench/report.py).
 set -uo pipefail
