@@ -100,25 +100,41 @@ def one_gpu_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def parity_table(rows: list[dict], floor: float = 0.5) -> str:
+def moving_mean(x: list[float], window: int) -> list[float]:
+    """Trailing means over ``window`` steps (one value per full window)."""
+    return [sum(x[i - window + 1:i + 1]) / window for i in range(window - 1, len(x))]
+
+
+def parity_table(rows: list[dict], floor: float = 0.5, window: int = 10) -> str:
     """Loss parity of long rows (>= 100 steps, e.g. FP8 vs bf16), against the bf16 row (``fp8`` off) of
-    the same slice, step by step: the mean and largest relative difference over the steps where the
-    bf16 loss is still >= ``floor`` (a curve that falls to ~0 makes later ratios meaningless), the
-    first step under 1 nat, and the last loss."""
+    the same slice and data, step by step and over ``window``-step moving means: the mean and largest
+    relative difference over the steps where the bf16 loss is still >= ``floor`` (a curve that falls
+    to ~0 makes later ratios meaningless), the mean over the last 50 steps, and the last loss."""
     long = [r for r in rows if len(r.get("losses") or []) >= 100]
-    ref = {r["args"]["layers"]: r["losses"] for r in long if r["args"].get("fp8", "off") == "off"}
+
+    def key(r):
+        return r["args"]["layers"], r["args"].get("data")
+
+    ref = {key(r): r["losses"] for r in long if r["args"].get("fp8", "off") == "off"}
     if not long or not ref:
         return ""
-    lines = [f"| row | steps | tok/s | first loss | rel. diff while bf16 >= {floor} (mean / max) | first step < 1 "
-             "| last loss |", "|---|---|---|---|---|---|---|"]
+    lines = [f"| row | steps | first loss | rel. diff per step while bf16 >= {floor} (mean / max) "
+             f"| {window}-step means (mean / max) | last 50 steps (mean) | last loss |",
+             "|---|---|---|---|---|---|---|"]
     for r in long:
-        loss, base = r["losses"], ref.get(r["args"]["layers"])
-        steps = [i for i in range(min(len(loss), len(base or []))) if base[i] >= floor]
+        loss, base = r["losses"], ref.get(key(r)) or []
+        n = min(len(loss), len(base))
+        steps = [i for i in range(n) if base[i] >= floor]
         rel = [(loss[i] - base[i]) / base[i] for i in steps]
-        under = next((i for i, v in enumerate(loss) if v < 1.0), None)
-        lines.append(f"| {r['label']} | {len(loss)} | {r['tokens_per_s_per_gpu']:,.0f} | {loss[0]:.4f} "
-                     f"| {f'{sum(rel) / len(rel):+.2%} / {max(rel, key=abs):+.2%}' if rel else '–'} "
-                     f"| {fmt(under, 'd')} | {loss[-1]:.4f} |")
+        sl, sb = moving_mean(loss[:n], window), moving_mean(base[:n], window)
+        srel = [(a - b) / b for a, b in zip(sl, sb, strict=True) if b >= floor]
+        last = [(loss[i] - base[i]) / base[i] for i in range(max(0, n - 50), n) if base[i] >= floor]
+
+        def mm(v):
+            return f"{sum(v) / len(v):+.2%} / {max(v, key=abs):+.2%}" if v else "–"
+
+        lines.append(f"| {r['label']} | {len(loss)} | {loss[0]:.4f} | {mm(rel)} | {mm(srel)} "
+                     f"| {f'{sum(last) / len(last):+.2%}' if last else '–'} | {loss[-1]:.4f} |")
     return "\n".join(lines)
 
 

@@ -3,7 +3,8 @@
 # + embedding + head (3.75 B parameters), seq 4096, micro-batch 2 x 16, plain causal rows unless a
 # row says packed. All rows in one run, same model shape and rows:
 #   bash bench/run_trainer_bench.sh [phase ...]    phases: main checks extra levers levers2 ckpt wgrad
-#                                                  fp8 fp8parity mb4
+#                                                  fp8 fp8parity fp8speed trainer_mb4 baselines
+#                                                  packedfp8 mb4
 #                                                  (default: main checks extra)
 # main:   the trainer (training/train.py's own setup + loader, fp32 grad accumulation) vs the plain
 #         HF loop with Liger + window-free SDPA + no recompute, (a) pure bf16, (b) fp32 master weights
@@ -20,7 +21,11 @@
 #         check and kernel timing first
 # fp8:    train.fp8 tensorwise / rowwise (with compile_layers, which fuses the casts), 16 layers
 # fp8parity: 200 steps (PARITY_STEPS) of bf16 vs fp8 tensorwise vs rowwise on a PARITY_LAYERS-layer
-#         slice at lr 1e-4 over a repeating data set (the loss falls: memorisation), losses compared
+#         slice at lr 1e-4 (PARITY_LR); PARITY_DATA=DIR: real text (bench/parity_corpus.py), else a
+#         repeating random-token pool (the loss falls: memorisation); losses compared
+# fp8speed: the trainer's bf16 and fp8 tensorwise rows at 2 x 16 and 4 x 8 (no HF rows: see main)
+# trainer_mb4 / baselines: fp8speed's last row / main's two HF rows, alone
+# packedfp8: packed rows, 4 layers: bf16 vs fp8 tensorwise + compile_layers (dynamic document counts)
 # mb4:    micro-batch 4 x 8 (same tokens per step): the trainer and the two HF loops
 # Results: $BENCH_OUT/row_*.json + logs, the table printed last (bench/report.py).
 set -uo pipefail
@@ -71,9 +76,10 @@ for phase in ${*:-main checks extra}; do
       row trainer_varlen_attention 200 $TR "${TRAINER[@]}" --causal-rows-sdpa 0
       ;;
     ckpt)  # the save stall, async vs synchronous, on a $CKPT_LAYERS-layer slice (a 16-layer checkpoint is ~60 GB)
-      common "${CKPT_LAYERS:-2}" 2 16 3 1
+      # CKPT_STEPS steps first: the host-memory reservation (background, from setup) has time to finish
+      common "${CKPT_LAYERS:-2}" 2 16 "${CKPT_STEPS:-12}" 1
       row trainer_ckpt_async 240 $TR "${TRAINER[@]}" --checkpoint --async-checkpoint 1
-      row trainer_ckpt_sync 240 $TR "${TRAINER[@]}" --checkpoint --async-checkpoint 0
+      [ "${CKPT_SYNC:-1}" = 1 ] && row trainer_ckpt_sync 240 $TR "${TRAINER[@]}" --checkpoint --async-checkpoint 0
       common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
       ;;
     wgrad)
@@ -89,11 +95,37 @@ for phase in ${*:-main checks extra}; do
       row trainer_fp8_tensorwise 300 $TR "${TRAINER[@]}" --fp8 tensorwise --compile-layers 1
       row trainer_fp8_rowwise 300 $TR "${TRAINER[@]}" --fp8 rowwise --compile-layers 1
       ;;
-    fp8parity)  # 200 steps; the trainer's fastest bf16 setting vs the two fp8 recipes
+    fp8parity)  # 200 steps; the trainer's fastest bf16 setting vs the two fp8 recipes, same rows and seeds
       common "${PARITY_LAYERS:-4}" 2 4 "${PARITY_STEPS:-200}" 0
-      row parity_bf16 300 $TR "${TRAINER[@]}" --lr "${PARITY_LR:-1e-4}"
-      row parity_fp8_tensorwise 300 $TR "${TRAINER[@]}" --lr "${PARITY_LR:-1e-4}" --fp8 tensorwise --compile-layers 1
-      [ "${PARITY_ROWWISE:-1}" = 1 ] && row parity_fp8_rowwise 300 $TR "${TRAINER[@]}" --lr "${PARITY_LR:-1e-4}" --fp8 rowwise --compile-layers 1
+      DATA=()  # PARITY_DATA: real text (bench/parity_corpus.py pack); unset: the random-token pool
+      [ -n "${PARITY_DATA:-}" ] && DATA=(--data "$PARITY_DATA" --docs packed)
+      P=(--lr "${PARITY_LR:-1e-4}" "${DATA[@]}")
+      row parity_bf16 300 $TR "${TRAINER[@]}" "${P[@]}"
+      row parity_fp8_tensorwise 300 $TR "${TRAINER[@]}" "${P[@]}" --fp8 tensorwise --compile-layers 1
+      [ "${PARITY_ROWWISE:-1}" = 1 ] && row parity_fp8_rowwise 300 $TR "${TRAINER[@]}" "${P[@]}" --fp8 rowwise --compile-layers 1
+      common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
+      ;;
+    fp8speed)  # FP8 against the trainer's own bf16, at 2 x 16 and 4 x 8, same call
+      row trainer 200 $TR "${TRAINER[@]}"
+      row trainer_fp8_tensorwise 300 $TR "${TRAINER[@]}" --fp8 tensorwise --compile-layers 1
+      common "$LAYERS" 4 8 "$STEPS" "$WARMUP"
+      row trainer_fp8_tensorwise_mb4 300 $TR "${TRAINER[@]}" --fp8 tensorwise --compile-layers 1
+      row trainer_mb4 200 $TR "${TRAINER[@]}"
+      common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
+      ;;
+    trainer_mb4)  # the trainer's bf16 at 4 x 8 alone (fp8speed's last row)
+      common "$LAYERS" 4 8 "$STEPS" "$WARMUP"
+      row trainer_mb4 200 $TR "${TRAINER[@]}"
+      common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
+      ;;
+    baselines)  # the two HF loops of main alone
+      row hf_bf16 150 $PY $T "${HF[@]}" --master bf16
+      row hf_fp32_master 150 $PY $T "${HF[@]}" --master fp32
+      ;;
+    packedfp8)  # packed rows (documents per micro-batch vary): fp8 + compiled layers vs bf16, 4 layers
+      common 4 2 16 "$STEPS" 3
+      row packed_bf16 200 $TR "${TRAINER[@]}" --docs packed
+      row packed_fp8_tensorwise 200 $TR "${TRAINER[@]}" --docs packed --fp8 tensorwise --compile-layers 1
       common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
       ;;
     mb4)

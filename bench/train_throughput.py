@@ -446,6 +446,19 @@ def write_train_ready(root: Path, *, seq_len: int, rows: int, vocab: int, docs: 
     return uri
 
 
+def publish_ready_dir(root: Path, data_dir: Path) -> str:
+    """A train-ready directory written by bench/parity_corpus.py (real text through the filter's own
+    render and pack), committed into the bench store as the filter stage would commit it."""
+    from pipeline_core import uris
+    from pipeline_core.artifacts import publish_artifact, read_manifest
+
+    uri = uris.join(uris.qualify(root / "store"), "datasets", "bench", "train", f"text-{data_dir.name}")
+    if read_manifest(uri) is None:
+        meta = json.loads((data_dir / "train_ready.json").read_text())
+        publish_artifact(data_dir, uri, kind="train-ready", counts=meta["counts"], extra=meta["info"])
+    return uri
+
+
 def save_random_model(cfg, out: Path, device: Device) -> Path:
     from transformers import MistralForCausalLM
 
@@ -474,17 +487,23 @@ def setup_trainer(args, device: Device):
     work = Path(args.work)
     rank = torch.distributed.get_rank()
     base = mistral_config(args.model, args.seq_len, sliding_window=args.sliding_window, layers=args.layers)
-    model_dir = work / f"model-{args.model}-{base.num_hidden_layers}L"
+    if args.data and args.model == "tiny":  # the CPU dry run of a real-text row: the tokenizer's vocabulary
+        base.vocab_size = json.loads((Path(args.data) / "train_ready.json").read_text())["info"]["tokenizer"]["vocab_size"]
+    model_dir = work / f"model-{args.model}-{base.num_hidden_layers}L-{base.vocab_size}"
     world = torch.distributed.get_world_size()
     dp = world // args.stages
     rows = args.micro_batch * args.grad_accum * dp * 4  # the loader cycles over 4 steps' worth
+    def ready() -> str:
+        if args.data:
+            return publish_ready_dir(work, Path(args.data))
+        return write_train_ready(work, seq_len=args.seq_len, rows=rows, vocab=base.vocab_size, docs=args.docs,
+                                 seed=args.seed)
+
     if rank == 0:
         save_random_model(base, model_dir, device)
-        input_uri = write_train_ready(work, seq_len=args.seq_len, rows=rows, vocab=base.vocab_size, docs=args.docs,
-                                      seed=args.seed)
+        ready()
     torch.distributed.barrier()
-    input_uri = write_train_ready(work, seq_len=args.seq_len, rows=rows, vocab=base.vocab_size, docs=args.docs,
-                                  seed=args.seed)  # committed by rank 0: returns its URI
+    input_uri = ready()  # committed by rank 0: returns its URI
     cfg = load_config(overrides={
         "pipeline.store_uri": uris.qualify(args.store or work / "store"), "pipeline.staging_uri": uris.qualify(work / "staging"),
         "train.base_model": str(model_dir), "train.pipeline_stages": args.stages, "train.seq_len": args.seq_len,
@@ -494,7 +513,9 @@ def setup_trainer(args, device: Device):
         "train.activation_checkpoint_interval": args.act_ckpt, "train.precision": args.precision if args.precision != "auto" else ("bf16" if device.cuda else "fp32"),
         "train.learning_rate": args.lr, "train.checkpoint_every": args.checkpoint_every,
         "train.compile_layers": bool(args.compile_layers), "train.sync_free_attention": bool(args.sync_free),
-        "train.pin_memory": bool(args.pin_memory), "train.async_checkpoint": bool(args.async_checkpoint),
+        "train.pin_memory": bool(args.pin_memory),
+        # rows without --checkpoint never save: no background reservation of checkpoint host memory
+        "train.async_checkpoint": bool(args.async_checkpoint) and args.checkpoint,
         "train.causal_rows_sdpa": bool(args.causal_rows_sdpa), "train.fused_grad_accumulation": bool(args.fused_accum),
         "train.fused_wgrad_accumulation": bool(args.fused_wgrad), "train.fp8": args.fp8,
     })
@@ -531,11 +552,16 @@ def setup_trainer(args, device: Device):
         torch.distributed.barrier()
 
     def checkpoint_probe(step_s: float) -> dict:
-        """Two saves, each timed as the stall training sees: the run's first (it also allocates the
-        host buffers an async save reuses) and, one step after the first is pushed, a second one (what
-        every later save costs); then the upload drained and a resume from the store."""
+        """Two saves, each timed as the stall training sees: the run's first (its host memory was
+        reserved in the background at setup; the save waits only for what is not done yet) and, one
+        step after the first is pushed, a second one (what every later save costs); then the upload
+        drained and a resume from the store."""
         done = args.warmup + args.steps
+        writer = trainer.ckpt_writer
+        reserve = {} if writer is None else {"reserve_s": writer.reserve_s, "reserved_bytes": writer.reserved_bytes}
         first = timed_save(done)
+        if writer is not None:
+            reserve["carved_bytes"] = writer.carved_bytes
         wait_pushed(done)
         step()
         done += 1
@@ -557,7 +583,7 @@ def setup_trainer(args, device: Device):
         return {"first_save_stall_s": first, "save_stall_s": stall, "upload_drain_s": upload, "resume_s": resume_s,
                 "resumed_step": state.start_step, "step_after_resume_s": time.perf_counter() - t3,
                 "loss_after_resume": float(loss) if loss is not None else None,
-                "checkpoint_every": every, "stall_share_at_every": stall / (stall + every * step_s)}
+                "checkpoint_every": every, "stall_share_at_every": stall / (stall + every * step_s), **reserve}
 
     step.checkpoint_probe = checkpoint_probe
 
@@ -638,6 +664,8 @@ def parse_args(argv=None):
                    help="trainer: train.fused_wgrad_accumulation")
     p.add_argument("--fp8", choices=("off", "tensorwise", "rowwise"), default="off", help="trainer: train.fp8")
     p.add_argument("--lr", type=float, default=1e-5, help="trainer: train.learning_rate (loss-parity runs)")
+    p.add_argument("--data", default=None,
+                   help="trainer: a train-ready directory from bench/parity_corpus.py pack (real text) instead of random rows")
     p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="trainer: train.precision (auto: bf16 on a GPU, fp32 for a CPU dry run)")
     p.add_argument("--profile", default=None,

@@ -14,6 +14,11 @@ A crash while writing leaves no marker (the next attempt discards the directory)
 uploading leaves no manifest (nothing committed; the next attempt pushes it again).
 
 At most one checkpoint is in host memory: a save first waits for the previous one's files.
+
+Page-locking that host memory (``cudaHostAlloc``) costs ~1 s per GB, once. ``reserve(nbytes)``
+moves it out of the first save: a background thread allocates one pinned slab of the expected
+checkpoint size while training runs, and each file's tensors are carved from it as storage slices
+(``torch.save`` of a slice writes only its own bytes). What does not fit gets its own buffer.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +45,11 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
         self._buffers: dict[tuple[str, int], torch.Tensor] = {}  # (file name, tensor index) -> host buffer
         self._q: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        self._slab: torch.Tensor | None = None  # reserve(): one host buffer that tensors are carved from
+        self._slab_used = 0
+        self._reserved = threading.Event()
+        self._reserved.set()  # nothing reserved: nothing to wait for
+        self.reserve_s: float | None = None  # how long the background reservation took
         self._thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -56,6 +67,36 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
         return True  # the files are committed by the uploader's manifest, not here
 
     # ------------------------------------------------------------------ ours
+    def reserve(self, nbytes: int) -> None:
+        """Allocate ``nbytes`` of (pinned, on a GPU) host memory in the background for the saves'
+        snapshots; the first save waits for it only if it is not done yet. A failed reservation
+        (host memory short) is logged and the saves allocate per tensor, as without it."""
+        if nbytes <= 0 or self._slab is not None or not self._reserved.is_set():
+            return
+        self._reserved.clear()
+
+        def allocate():
+            t0 = time.perf_counter()
+            try:
+                self._slab = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+                self.reserve_s = time.perf_counter() - t0
+                log.info("checkpoint host memory reserved: %.2f GB in %.1f s (background)", nbytes / 1e9, self.reserve_s)
+            except (RuntimeError, MemoryError) as e:  # the saves fall back to per-tensor buffers
+                log.warning("could not reserve %.2f GB of checkpoint host memory: %s", nbytes / 1e9, e)
+            finally:
+                self._reserved.set()
+
+        threading.Thread(target=allocate, name="checkpoint-reserve", daemon=True).start()
+
+    @property
+    def reserved_bytes(self) -> int:
+        self._reserved.wait()
+        return 0 if self._slab is None else self._slab.numel()
+
+    @property
+    def carved_bytes(self) -> int:
+        return self._slab_used
+
     def after(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the writer thread once every file queued so far is written."""
         self._q.put((fn, ()))
@@ -70,14 +111,29 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
             raise RuntimeError(f"checkpoint writer failed: {self._error}") from self._error
 
     def _to_host(self, t: torch.Tensor, key: tuple[str, int]) -> torch.Tensor:
-        if t.device.type == "cpu":
-            return t.detach().clone()
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
+            buf = self._carve(t)
+            if buf is None:
+                if t.device.type == "cpu":
+                    return t.detach().clone()  # no reserved memory: a fresh copy per save
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory)
             self._buffers[key] = buf
-        buf.copy_(t.detach(), non_blocking=self.pin_memory)
+        buf.copy_(t.detach(), non_blocking=self.pin_memory and t.device.type != "cpu")
         return buf
+
+    def _carve(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A host tensor shaped like ``t`` in the reserved slab (its own storage slice), or None."""
+        self._reserved.wait()
+        if self._slab is None or not t.is_contiguous():
+            return None
+        start = -(-self._slab_used // _ALIGN) * _ALIGN
+        nbytes = t.numel() * t.element_size()
+        if start + nbytes > self._slab.numel():
+            return None
+        self._slab_used = start + nbytes
+        storage = self._slab.untyped_storage()[start:start + nbytes]
+        return torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape, t.stride())
 
     def _write(self, snapshot, path: str) -> None:
         torch.save(snapshot, path, _use_new_zipfile_serialization=self.zipfile_serialization)
@@ -93,6 +149,23 @@ class SnapshotCheckpointEngine(TorchCheckpointEngine):
                 self._error = e
             finally:
                 self._q.task_done()
+
+
+_ALIGN = 512  # bytes: every carved tensor starts aligned (any dtype's view; full-speed copies)
+
+
+def checkpoint_nbytes(module: torch.nn.Module, optimizer) -> int:
+    """The host memory one rank's checkpoint snapshot takes: the module's state plus AdamW's
+    (DeepSpeed's BF16 optimizer: its fp32 master partition and two fp32 moments; a plain optimizer:
+    two moments per trainable parameter), with the slab's alignment per tensor."""
+    tensors = list(module.state_dict().values())
+    fp32_parts = getattr(optimizer, "fp32_groups_flat_partition", None)
+    if fp32_parts is not None:
+        states = [p for p in fp32_parts for _ in range(3)]
+    else:
+        states = [p for p in module.parameters() if p.requires_grad for _ in range(2)]
+    tensors += states
+    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in tensors)
 
 
 def _map_tensors(obj, fn):

@@ -31,7 +31,7 @@ def apply_fast_kernels(name: str, module: nn.Module, loss=None, in_layers: bool 
     return apply_liger(module, decoder_cls=DecoderLayerPipe if in_layers else None, head_cls=LMHeadPipe, loss=loss)
 
 
-def compile_decoder_layers(module: nn.Module) -> int:
+def compile_decoder_layers(module: nn.Module, backend: str = "inductor") -> int:
     """Regional compilation (torchtitan's per-block ``torch.compile``): every local decoder layer
     runs one compiled function of the layer's computation; layers share the graph (parameters are
     graph inputs), so it compiles once. The context lookup stays eager. Returns the layer count."""
@@ -42,7 +42,10 @@ def compile_decoder_layers(module: nn.Module) -> int:
 
     from training.model import DecoderLayerPipe
 
-    compiled = torch.compile(MistralDecoderLayer.forward, dynamic=False)
+    # dynamic=None: shapes start static; a dimension seen changing (cu_seqlens' length on packed rows,
+    # one per document count) becomes symbolic on its first recompile instead of one graph per count,
+    # which hits dynamo's recompile limit within a few micro-batches and leaves the rest eager
+    compiled = torch.compile(MistralDecoderLayer.forward, dynamic=None, backend=backend)
     layers = [m for m in module.modules() if isinstance(m, DecoderLayerPipe)]
     for layer in layers:
         layer.block = functools.partial(compiled, layer)

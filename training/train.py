@@ -413,10 +413,12 @@ class Trainer:
         self.engine, self.optimizer = engine, optimizer
         self.ckpt_writer = None
         if t.async_checkpoint:  # saves snapshot to host memory; files are written in the background
-            from training.async_save import SnapshotCheckpointEngine
+            from training.async_save import SnapshotCheckpointEngine, checkpoint_nbytes
 
             self.ckpt_writer = SnapshotCheckpointEngine(engine._config, pin_memory=device.type == "cuda")
             engine.checkpoint_engine = self.ckpt_writer
+            # page-lock the snapshot's host memory now, in the background, not in the first save's stall
+            self.ckpt_writer.reserve(checkpoint_nbytes(engine.module, engine.optimizer))
         if t.fused_grad_accumulation and self.settings.bf16 and t.grad_accum_dtype == "fp32":
             fused = fuse_hp_grad_accumulation(engine.optimizer)
             log.info("fp32 gradient accumulation: immediate, %s", "one mixed-dtype add per parameter" if fused
