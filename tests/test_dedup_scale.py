@@ -8,12 +8,16 @@ import math
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 
+from spark_jobs.arrow_vectors import vector_array
+from spark_jobs.centroid_index import CentroidIndex
 from spark_jobs.dedup import lsh_candidate_probability, lsh_warnings, plan_lsh
 from spark_jobs.dedup_recall import wilson
 from spark_jobs.dedup_types import ClusterSettings, LshSettings, NearDupSettings
-from spark_jobs.near_dup_clusters import pairs_in_cluster, spherical_kmeans, split_oversized, top_clusters
+from spark_jobs.near_dup_clusters import pairs_in_cluster, split_oversized
+from spark_jobs.spherical_kmeans import spherical_kmeans, top_clusters
 
 DIM = 16  # per half: [q; a] rows have 2 * DIM values
 
@@ -71,15 +75,29 @@ def brute_force(v: np.ndarray, keys: np.ndarray, threshold: float, groups: np.nd
     return out
 
 
+def cluster_table(v: np.ndarray, keys: np.ndarray, groups: np.ndarray, cluster: int = 7) -> pa.Table:
+    """One cluster's members as the in-cluster step receives them (applyInArrow)."""
+    return pa.table({"_cluster": pa.array([cluster] * len(keys), pa.int32()), "_key": keys,
+                     "_id": [f"id{k}" for k in keys], "_group": groups, "_vec": vector_array(v)})
+
+
+def pair_rows(t: pa.Table) -> pd.DataFrame:
+    """The pair rows of pairs_in_cluster's output (its size row has a null key)."""
+    df = t.to_pandas()
+    return df[df["_key"].notna()].astype({"_key": "int64", "_lkey": "int64"})
+
+
 def test_pairs_in_cluster_equals_brute_force():
     v = clustered_rows(700, 5, seed=3)
     keys = np.random.default_rng(0).permutation(10_000)[:700].astype(np.int64)
-    pdf = pd.DataFrame({"_key": keys, "_id": [f"id{k}" for k in keys], "_group": np.zeros(700, np.int64), "_vec": list(v)})
-    got = pairs_in_cluster(pdf, 0.9)
+    out = pairs_in_cluster(cluster_table(v, keys, np.zeros(700, np.int64)), 0.9)
+    got = pair_rows(out)
     want = brute_force(v, keys, 0.9)
     assert len(want) > 30
-    assert dict(zip(got["_key"].astype(int), got["_lkey"].astype(int), strict=True)) == want
+    assert dict(zip(got["_key"], got["_lkey"], strict=True)) == want
     assert (got["_lid"] == ["id" + str(k) for k in got["_lkey"]]).all()
+    size = out.to_pandas().query("_key.isna()")
+    assert size["_members"].tolist() == [700] and size["_cluster"].tolist() == [7]
 
 
 def test_pairs_in_cluster_pairs_only_rows_of_one_group():
@@ -88,9 +106,8 @@ def test_pairs_in_cluster_pairs_only_rows_of_one_group():
     v = clustered_rows(700, 5, seed=3)
     keys = np.random.default_rng(0).permutation(10_000)[:700].astype(np.int64)
     groups = np.random.default_rng(1).integers(0, 3, 700).astype(np.int64)
-    pdf = pd.DataFrame({"_key": keys, "_id": [f"id{k}" for k in keys], "_group": groups, "_vec": list(v)})
-    got = dict(zip(pairs_in_cluster(pdf, 0.9)["_key"].astype(int), pairs_in_cluster(pdf, 0.9)["_lkey"].astype(int),
-                   strict=True))
+    pairs = pair_rows(pairs_in_cluster(cluster_table(v, keys, groups), 0.9))
+    got = dict(zip(pairs["_key"], pairs["_lkey"], strict=True))
     want = brute_force(v, keys, 0.9, groups)
     assert len(want) > 5 and len(want) < len(brute_force(v, keys, 0.9))
     assert got == want
@@ -125,6 +142,50 @@ def test_split_oversized_bounds_the_clusters_plain_kmeans_leaves_too_big():
     assert np.array_equal(split, split_oversized(fit, count, plain, n, s)[0])
     _, none_split, still = split_oversized(fit, count, plain, n, ClusterSettings(cluster_size=100, split_rounds=0))
     assert none_split == 0 and still >= 1
+
+
+def index_case(coarse_probes: int):
+    """400 leaf centroids fitted on clustered rows (20 coarse lists), queries from the same distribution."""
+    x = clustered_rows(24_000, 150, seed=21)
+    leaves = spherical_kmeans(x[:16_000], 400, 10, seed=0)
+    return CentroidIndex.build(leaves, coarse_probes, seed=0), leaves, x[16_000:]
+
+
+def test_centroid_index_finds_the_exhaustive_leaves_with_a_fraction_of_the_products():
+    """Two-level search (coarse k-means over the leaves, 4 of 20 coarse lists per row) gives each
+    row the nearest leaf and the joined leaves (probes 2, margin 0.05) that scoring every leaf gives,
+    while scoring about a third of them."""
+    index, leaves, q = index_case(coarse_probes=4)
+    assert not index.exhaustive and len(index.coarse) == 20
+    assert sorted(index.lists.tolist()) == list(range(400)) and index.offsets[-1] == 400  # every leaf filed once
+    top, joined = index.top(q, 2, 0.05)
+    want_top, want_joined = top_clusters(q, leaves, 2, 0.05)
+    assert np.mean(top[:, 0] == want_top[:, 0]) >= 0.995
+    same = [set(top[i][joined[i]]) == set(want_top[i][want_joined[i]]) for i in range(len(q))]
+    assert np.mean(same) >= 0.99 and index.agreement(q, 2, 0.05) == pytest.approx(np.mean(same))
+    scored = len(index.coarse) + index.coarse_probes * np.diff(index.offsets).mean()
+    assert scored < 0.4 * len(leaves)
+
+
+def test_centroid_index_agreement_exposes_a_coarse_level_that_does_not_fit_the_leaves():
+    """What the stage reports (NearDupReport.assignment_agreement) sees a broken index: coarse
+    centroids that are not the leaves' k-means send rows to the wrong lists."""
+    index, _, q = index_case(coarse_probes=4)
+    rng = np.random.default_rng(5)
+    broken = CentroidIndex(index.leaves, halves(rng.normal(size=index.coarse.shape)), index.lists, index.offsets,
+                           index.coarse_probes)
+    assert index.agreement(q, 2, 0.05) >= 0.99
+    assert broken.agreement(q, 2, 0.05) < 0.8
+
+
+def test_centroid_index_is_exhaustive_search_when_it_cannot_save_products():
+    _, leaves, q = index_case(coarse_probes=4)
+    for coarse_probes in (0, 20, 64):  # 0 = off; 20 of ceil(sqrt(400)) = 20 lists = all of them
+        index = CentroidIndex.build(leaves, coarse_probes, seed=0)
+        assert index.exhaustive
+        got, want = index.top(q, 2, 0.05), top_clusters(q, leaves, 2, 0.05)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+        assert index.agreement(q, 2, 0.05) == 1.0
 
 
 def test_wilson_interval():
