@@ -2,6 +2,7 @@
 on synthetic anisotropic vectors, plus the analytic LSH curve up to 25 M.
 
     .venv/bin/python bench/dedup_bench.py --sizes 250000,1000000,4000000 [--method cluster] [--json OUT]
+    .venv/bin/python bench/dedup_bench.py --model-only   # the compute terms timed, the curve to 25.7 M
 
 Vectors: [q; a], each half unit-norm, 384 dims (MiniLM's). Anisotropic like MiniLM: every vector
 shares one common direction (mean pairwise cosine ~0.3), rows sit in dense topic clusters
@@ -187,8 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--model-only", action="store_true",
                     help="only time the two compute terms and print the analytic curve (no Spark)")
-    ap.add_argument("--copies-per-row", type=float, default=1.55, help="model: cluster memberships per row (runs report it)")
-    ap.add_argument("--leaves-per-cluster", type=float, default=1.9, help="model: clusters after splits / k")
+    ap.add_argument("--copies-per-row", type=float, default=1.66,
+                    help="model: cluster memberships per row (mean_cluster x clusters / rows; 1 M run 3: 1.66)")
+    ap.add_argument("--leaves-per-cluster", type=float, default=2.56,
+                    help="model: clusters after splits / k (1 M run 3: 1,278 / 500)")
     a = ap.parse_args(argv)
     if a.model_only:
         print(json.dumps(cost_model(a.cluster_size, 2, a.copies_per_row, a.leaves_per_cluster, a.coarse_probes), indent=2))
