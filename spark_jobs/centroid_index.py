@@ -103,9 +103,9 @@ class CentroidIndex:
         for g, s, e in zip(gs, starts, ends, strict=True):  # one product per probed coarse centroid
             rows = flat_rows[order[s:e]]
             ids = self.lists[self.offsets[g]:self.offsets[g + 1]]
-            sims = xb[rows] @ self.leaves[ids].T
-            cand = np.concatenate([best[rows], sims], axis=1)
-            cand_ids = np.concatenate([best_ids[rows], np.broadcast_to(ids, sims.shape)], axis=1)
+            cols, vals = top_k(xb[rows] @ self.leaves[ids].T, probes, scratch=True)  # this list's best
+            cand = np.concatenate([best[rows], vals], axis=1)  # merged with the lists before: 2 x probes wide
+            cand_ids = np.concatenate([best_ids[rows], ids[cols]], axis=1)
             cols, vals = top_k(cand, probes, scratch=True)
             best[rows], best_ids[rows] = vals, np.take_along_axis(cand_ids, cols, axis=1)
         # the merge above ordered by (cosine, column in the candidates); order ties by leaf id, as exhaustive search does
