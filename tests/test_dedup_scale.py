@@ -348,3 +348,16 @@ def test_both_methods_and_the_recall_check_respect_groups(spark, tmp_path, metho
     assert set(found) <= set(want) and all(found[k] == want[k] for k in found)  # no cross-group drop
     assert len(found) / len(want) >= 0.95
     assert got.report.measured.with_duplicate == len(want)  # the brute-force truth is per group too
+
+
+def test_coarse_probes_setting_is_validated_and_reaches_the_method():
+    from pydantic import ValidationError
+
+    from pipeline_core.config import FilterSection
+    from spark_jobs.dedup import settings_for
+
+    assert settings_for(FilterSection()).cluster.coarse_probes == 8
+    assert settings_for(FilterSection(near_dup_coarse_probes=0)).cluster.coarse_probes == 0  # 0 = exhaustive
+    for bad in (-1, 5000):
+        with pytest.raises(ValidationError, match="near_dup_coarse_probes"):
+            FilterSection(near_dup_coarse_probes=bad)
