@@ -2,6 +2,7 @@
 on synthetic anisotropic vectors, plus the analytic LSH curve up to 25 M.
 
     .venv/bin/python bench/dedup_bench.py --sizes 250000,1000000,4000000 [--method cluster] [--json OUT]
+    .venv/bin/python bench/dedup_bench.py --model-only   # the compute terms timed, the curve to 25.7 M
 
 Vectors: [q; a], each half unit-norm, 384 dims (MiniLM's). Anisotropic like MiniLM: every vector
 shares one common direction (mean pairwise cosine ~0.3), rows sit in dense topic clusters
@@ -89,7 +90,8 @@ def run_one(spark, n: int, work: Path, args) -> dict:
     df = spark.read.parquet(f"file://{path}").withColumn("_key", F.xxhash64("id")).persist()
     df.count()
     settings = NearDupSettings(threshold=args.threshold, method=args.method, recall_sample=args.recall_sample,
-                               cluster=ClusterSettings(cluster_size=args.cluster_size))
+                               cluster=ClusterSettings(cluster_size=args.cluster_size,
+                                                            coarse_probes=args.coarse_probes))
     cpu0, t0 = cpu_seconds(), time.perf_counter()
     got = near_duplicates(df, key="_key", vec="_vec", settings=settings, rows=n)
     dropped = got.frame.count()
@@ -108,45 +110,65 @@ def run_one(spark, n: int, work: Path, args) -> dict:
            "measured_recall": r.measured.recall if r.measured else None,
            "measured_interval": [r.measured.low_95, r.measured.high_95] if r.measured else None,
            "clusters": r.clusters, "largest_cluster": r.largest_cluster, "mean_cluster": r.mean_cluster,
-           "split_clusters": r.split_clusters, "warnings": list(r.warnings)}
+           "split_clusters": r.split_clusters, "assignment_agreement": r.assignment_agreement,
+           "coarse_probes": args.coarse_probes, "warnings": list(r.warnings)}
     got.frame.unpersist()
     df.unpersist()
     return out
 
 
-def cost_model(cluster_size: int, probes: int, copies_per_row: float, leaves_per_cluster: float,
-               sizes=(250_000, 1_000_000, 4_000_000, 25_700_000)) -> dict:
-    """CPU seconds per row of the method's two compute terms, timed here with process CPU time (steadier
-    than wall time on a shared machine), and the curve they give: in-cluster products cost
-    copies x cluster size per row (fixed); assignment costs one product with every leaf centroid,
-    whose number grows with N (rows / cluster_size x the leaves per k-means cluster after splits)."""
-    from spark_jobs.near_dup_clusters import pairs_in_cluster, top_clusters, unit_rows
+def cost_model(cluster_size: int, probes: int, copies_per_row: float, leaves_per_cluster: float, coarse_probes: int,
+               sample_per_cluster: int = 32, sizes=(250_000, 1_000_000, 4_000_000, 25_700_000)) -> dict:
+    """CPU seconds of the method's compute terms, timed here with process CPU time (steadier than wall
+    time on a shared machine), and the curve they give:
+    - in-cluster products: copies x cluster size per row (fixed per row);
+    - assignment: each row's products through the centroid index, timed at each size's leaf count
+      (rows / cluster_size x the leaves per k-means cluster after splits; random unit leaves, so the
+      coarse lists are balanced) and, for comparison, exhaustive (one product per leaf);
+    - the driver's k-means: k-means++ seeding (sample x k products) and at most 20 Lloyd steps
+      through the index, on 2 x sample_per_cluster rows per centroid."""
+    import pyarrow as pa
+
+    from spark_jobs.arrow_vectors import vector_array
+    from spark_jobs.centroid_index import CentroidIndex
+    from spark_jobs.near_dup_clusters import pairs_in_cluster
+    from spark_jobs.spherical_kmeans import top_clusters, unit_rows
 
     rng = np.random.default_rng(0)
     rows = unit(rng.normal(size=(cluster_size, 2, DIM))).reshape(cluster_size, 2 * DIM).astype(np.float32)
-    import pandas as pd
-
-    pdf = pd.DataFrame({"_key": np.arange(cluster_size, dtype=np.int64), "_id": [f"r{i}" for i in range(cluster_size)],
-                        "_group": np.zeros(cluster_size, np.int64), "_vec": list(rows)})
+    table = pa.table({"_cluster": pa.array([0] * cluster_size, pa.int32()), "_key": np.arange(cluster_size, dtype=np.int64),
+                      "_id": [f"r{i}" for i in range(cluster_size)], "_group": np.zeros(cluster_size, np.int64),
+                      "_vec": vector_array(rows)})
     t = time.process_time()
     for _ in range(5):
-        pairs_in_cluster(pdf, 0.9)
+        pairs_in_cluster(table, 0.9)
     in_cluster = (time.process_time() - t) / 5 / cluster_size  # s per member of one cluster
     x = unit_rows(rng.normal(size=(20_000, 2 * DIM)).astype(np.float32))
     c = unit_rows(rng.normal(size=(2_000, 2 * DIM)).astype(np.float32))
     t = time.process_time()
     top_clusters(x, c, probes, 0.05)
-    per_dot = (time.process_time() - t) / (len(x) * len(c))  # s per row x centroid
+    per_dot = (time.process_time() - t) / (len(x) * len(c))  # s per row x centroid, exhaustive
     curve = []
     for n in sizes:
-        leaves = math.ceil(n / cluster_size) * leaves_per_cluster
-        curve.append({"rows": n, "leaves": round(leaves), "in_cluster_cpu_s": round(n * copies_per_row * in_cluster, 1),
-                      "assign_cpu_s": round(n * leaves * per_dot, 1)})
+        k = math.ceil(n / cluster_size)
+        leaves = round(k * leaves_per_cluster)
+        index = CentroidIndex.build(unit_rows(rng.normal(size=(leaves, 2 * DIM)).astype(np.float32)), coarse_probes, 0)
+        q = x[:5_000]
+        t = time.process_time()
+        index.top(q, probes, 0.05)
+        per_row = (time.process_time() - t) / len(q)
+        fit_rows = k * sample_per_cluster
+        curve.append({"rows": n, "leaves": leaves, "coarse": len(index.coarse), "products_per_row": round(index.products_per_row),
+                      "in_cluster_cpu_s": round(n * copies_per_row * in_cluster, 1),
+                      "assign_cpu_s": round(n * per_row, 1),
+                      "assign_exhaustive_cpu_s": round(n * leaves * per_dot, 1),
+                      "kmeans_driver_cpu_s": round(fit_rows * k * per_dot + 20 * fit_rows * per_row, 1)})
     for a, b in zip(curve, curve[1:], strict=False):
         b["rows_ratio_vs_prev"] = round(b["rows"] / a["rows"], 2)
-        b["compute_ratio_vs_prev"] = round((b["in_cluster_cpu_s"] + b["assign_cpu_s"]) /
-                                           (a["in_cluster_cpu_s"] + a["assign_cpu_s"]), 2)
-    return {"in_cluster_s_per_copy": in_cluster, "assign_s_per_row_centroid": per_dot, "curve": curve}
+        total = lambda r: r["in_cluster_cpu_s"] + r["assign_cpu_s"] + r["kmeans_driver_cpu_s"]  # noqa: E731
+        b["compute_ratio_vs_prev"] = round(total(b) / total(a), 2)
+    return {"in_cluster_s_per_copy": in_cluster, "assign_s_per_row_centroid": per_dot, "coarse_probes": coarse_probes,
+            "curve": curve}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", default="cluster", choices=["cluster", "lsh"])
     ap.add_argument("--threshold", type=float, default=0.9)
     ap.add_argument("--cluster-size", type=int, default=2000)
+    ap.add_argument("--coarse-probes", type=int, default=8, help="near_dup_coarse_probes (0 = exhaustive assignment)")
     ap.add_argument("--rows-per-topic", type=int, default=200)
     ap.add_argument("--recall-sample", type=int, default=2000)
     ap.add_argument("--master", default="local[2]")
@@ -165,11 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--model-only", action="store_true",
                     help="only time the two compute terms and print the analytic curve (no Spark)")
-    ap.add_argument("--copies-per-row", type=float, default=1.55, help="model: cluster memberships per row (runs report it)")
-    ap.add_argument("--leaves-per-cluster", type=float, default=1.9, help="model: clusters after splits / k")
+    ap.add_argument("--copies-per-row", type=float, default=1.66,
+                    help="model: cluster memberships per row (mean_cluster x clusters / rows; 1 M run 3: 1.66)")
+    ap.add_argument("--leaves-per-cluster", type=float, default=2.56,
+                    help="model: clusters after splits / k (1 M run 3: 1,278 / 500)")
     a = ap.parse_args(argv)
     if a.model_only:
-        print(json.dumps(cost_model(a.cluster_size, 2, a.copies_per_row, a.leaves_per_cluster), indent=2))
+        print(json.dumps(cost_model(a.cluster_size, 2, a.copies_per_row, a.leaves_per_cluster, a.coarse_probes), indent=2))
         return 0
     res: dict = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                  "machine": f"{platform.node()} {os.cpu_count()} cpus, load avg {os.getloadavg()[0]:.1f}",

@@ -198,6 +198,9 @@ class FilterSection(SparkStageSection):
     near_dup_max_cluster_factor: float = Field(
         4.0, ge=1.5, le=1000.0, description="split a k-means cluster estimated above this x near_dup_cluster_size rows")
     near_dup_split_rounds: int = Field(3, ge=0, le=8, description="rounds of splitting oversized clusters (0 = never)")
+    near_dup_coarse_probes: int = Field(
+        8, ge=0, le=4096, description="centroid index: coarse lists scored per row (about sqrt(clusters) "
+        "centroids each); 0 = score every centroid (exact, O(rows x clusters))")
     near_dup_recall_sample: int = Field(2000, ge=0, le=1_000_000,
                                         description="rows checked by brute force for the measured recall (0 = off)")
     min_answer_tokens: int = Field(1, ge=0, description="Drop answers shorter than this (tokens, without </s>)")

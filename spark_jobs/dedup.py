@@ -195,7 +195,8 @@ def settings_for(f) -> NearDupSettings:
         threshold=f.near_dup_threshold, method=f.near_dup_method, recall_sample=f.near_dup_recall_sample,
         cluster=ClusterSettings(cluster_size=f.near_dup_cluster_size, probes=f.near_dup_probes,
                                 probe_margin=f.near_dup_probe_margin, max_cluster_factor=f.near_dup_max_cluster_factor,
-                                split_rounds=f.near_dup_split_rounds, seed=f.lsh_seed),
+                                split_rounds=f.near_dup_split_rounds, coarse_probes=f.near_dup_coarse_probes,
+                                seed=f.lsh_seed),
         lsh=LshSettings(bands=f.lsh_bands, rows_per_band=f.lsh_rows_per_band, min_band_matches=f.lsh_min_band_matches,
                         max_leaders=f.lsh_max_leaders, seed=f.lsh_seed))
 
@@ -222,12 +223,15 @@ def near_duplicates(df: DataFrame, *, key: str, vec: str, settings: NearDupSetti
     extra: dict = {}
     if settings.method == "cluster":
         c = settings.cluster
-        frame, clustering, sizes = find_near_duplicates_clustered(df, key=key, vec=vec, threshold=t, rows=rows, s=c,
-                                                                  group=group)
-        frame = frame.persist()
-        size_stats = sizes.agg(F.count(F.lit(1)).alias("k"), F.max("count").alias("mx"), F.avg("count").alias("avg")).first()
+        got = find_near_duplicates_clustered(df, key=key, vec=vec, threshold=t, rows=rows, s=c, group=group)
+        frame, clustering = got.found.persist(), got.clustering
+        frame.count()  # materialised from the cached in-cluster output, which can then go
+        size_stats = got.sizes.agg(F.count(F.lit(1)).alias("k"), F.max("count").alias("mx"),
+                                   F.avg("count").alias("avg")).first()
+        got.cached.unpersist()
         extra = {"clusters": int(size_stats["k"] or 0), "largest_cluster": int(size_stats["mx"] or 0),
-                 "mean_cluster": round(float(size_stats["avg"] or 0), 1), "split_clusters": clustering.split_clusters}
+                 "mean_cluster": round(float(size_stats["avg"] or 0), 1), "split_clusters": clustering.split_clusters,
+                 "assignment_agreement": clustering.agreement}
         params = {**c.__dict__, "sample_rows": clustering.sample_rows}
         expected, warnings = None, cluster_warnings(extra["largest_cluster"], clustering.unsplit_oversized, c)
     else:

@@ -19,6 +19,7 @@ class ClusterSettings:
     kmeans_iterations: int = 20  # at most; fewer when no sample row moves
     max_cluster_factor: float = 4.0  # a cluster estimated above this x cluster_size is split
     split_rounds: int = 3  # rounds of splitting (0 = never split)
+    coarse_probes: int = 8  # coarse lists of the centroid index scored per row (0 = every centroid)
     seed: int = 0
 
 
@@ -66,6 +67,7 @@ class NearDupReport:
     largest_cluster: int | None = None
     mean_cluster: float | None = None
     split_clusters: int | None = None  # k-means clusters replaced by a k-means of their own members
+    assignment_agreement: float | None = None  # sample rows the centroid index assigns as exhaustive search does
     warnings: tuple[str, ...] = ()
 
     def as_manifest(self) -> dict:

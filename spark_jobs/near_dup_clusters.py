@@ -15,7 +15,10 @@
 3. Every row joins its nearest centroid and, when the next ones are almost as near (cosine within
    `probe_margin`), up to `probes` clusters in all: a near-duplicate pair that straddles a
    cluster boundary still meets in one of them (NeMo Curator assigns one cluster per row and
-   loses such pairs).
+   loses such pairs). The nearest centroids are found through a two-level index
+   (centroid_index.py: coarse k-means over the centroids, `coarse_probes` coarse lists scored per
+   row), so assignment costs ~sqrt(clusters) products per row instead of one per cluster; the
+   Lloyd steps and the split's size estimates use the same index.
 4. Inside each cluster: exact pairwise cosine, blocked matrix products (no approximation); each
    row's representative is the smallest-key member at cosine >= threshold with a smaller key.
 
@@ -27,125 +30,68 @@ with more rows at the same density. It is measured per run on a sample (dedup_re
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 
+from spark_jobs.arrow_vectors import vector_array, vector_matrix
+from spark_jobs.centroid_index import CentroidIndex, indexed_assign
 from spark_jobs.dedup_types import ClusterSettings
+from spark_jobs.spherical_kmeans import spherical_kmeans, unit_rows
 
-PAIR_SCHEMA = "_key long, _lkey long, _lid string, _sim double"
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+PAIR_SCHEMA = "_cluster int, _members long, _key long, _lkey long, _lid string, _sim double"
 ASSIGN_SCHEMA = "_cluster int, _key long, _id string, _group long, _vec array<float>"
 _BLOCK = 2048  # rows per block of the in-cluster similarity product (block x members floats in memory)
-_ASSIGN_BLOCK = 8192  # rows per block of a rows x centroids product (k-means, assignment)
+_AGREEMENT_ROWS = 4096  # held-out sample rows on which the index is compared with exhaustive search
 _SAMPLE_BUCKETS = 1 << 20
 _SLACK = 1e-5  # float32 products can sit a hair under the float64 cosine
 
 
 @dataclass(frozen=True)
 class Clustering:
-    centroids: np.ndarray  # (clusters, dim), unit rows: k from k-means, more after splits
+    index: CentroidIndex  # its leaves: (clusters, dim) unit rows, k from k-means, more after splits
     sample_rows: int  # rows the centroids were fitted on (as many again counted the clusters)
     iterations: int
     split_clusters: int  # clusters replaced by a k-means of their own members
     unsplit_oversized: int  # clusters still estimated above the limit after the last round
+    agreement: float  # share of held-out sample rows the index assigns as exhaustive search does
+
+    @property
+    def centroids(self) -> np.ndarray:
+        return self.index.leaves
 
 
-def unit_rows(m: np.ndarray) -> np.ndarray:
-    n = np.linalg.norm(m, axis=1, keepdims=True)
-    return m / np.where(n > 0, n, 1.0)
+def _index(centroids: np.ndarray, s: ClusterSettings) -> CentroidIndex:
+    return CentroidIndex.build(centroids, s.coarse_probes, s.seed)
 
 
-def top_clusters(x: np.ndarray, centroids: np.ndarray, probes: int, margin: float) -> tuple[np.ndarray, np.ndarray]:
-    """(clusters, joined): each unit row's `probes` nearest centroids, nearest first, and which of
-    them it joins (the nearest always; a further one when its cosine is within `margin`)."""
-    probes = min(probes, len(centroids))
-    top = np.empty((len(x), probes), np.int64)
-    top_sims = np.empty((len(x), probes), np.float32)
-    for lo in range(0, len(x), _ASSIGN_BLOCK):
-        sims = x[lo:lo + _ASSIGN_BLOCK] @ centroids.T
-        part = (np.argpartition(-sims, probes - 1, axis=1)[:, :probes] if probes < sims.shape[1]
-                else np.broadcast_to(np.arange(sims.shape[1]), sims.shape))
-        ps = np.take_along_axis(sims, part, axis=1)
-        order = np.argsort(-ps, axis=1, kind="stable")
-        top[lo:lo + len(sims)] = np.take_along_axis(part, order, axis=1)
-        top_sims[lo:lo + len(sims)] = np.take_along_axis(ps, order, axis=1)
-    return top, top_sims >= top_sims[:, :1] - margin
-
-
-def nearest(x: np.ndarray, centroids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(index, cosine) of each unit row's nearest centroid."""
-    idx = np.empty(len(x), np.int64)
-    best = np.empty(len(x), np.float32)
-    for lo in range(0, len(x), _ASSIGN_BLOCK):
-        sims = x[lo:lo + _ASSIGN_BLOCK] @ centroids.T
-        idx[lo:lo + len(sims)] = sims.argmax(axis=1)
-        best[lo:lo + len(sims)] = sims[np.arange(len(sims)), idx[lo:lo + len(sims)]]
-    return idx, best
-
-
-def seed_centroids(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-    """k-means++ seeding for cosine (D^2 = 1 - cos, up to a factor): each round draws as many new
-    seeds as there are so far (1, 1, 2, 4, ...), so log2(k) passes over x instead of k."""
-    chosen = np.zeros(len(x), bool)
-    picked = [int(rng.integers(len(x)))]
-    chosen[picked] = True
-    best = x @ x[picked[0]]
-    while len(picked) < k:
-        d = np.maximum(0.0, 1.0 - best.astype(np.float64))
-        d[chosen] = 0.0
-        take = min(k - len(picked), len(picked))
-        if not d.any():  # every row is already a seed's copy: the rest at random (k-means re-seeds empties)
-            new = rng.choice(np.nonzero(~chosen)[0], size=take, replace=False)
-        else:
-            new = rng.choice(len(x), size=min(take, int(np.count_nonzero(d))), replace=False, p=d / d.sum())
-        chosen[new] = True
-        picked.extend(int(i) for i in new)
-        best = np.maximum(best, (x @ x[new].T).max(axis=1))
-    return x[np.asarray(picked)].copy()
-
-
-def spherical_kmeans(x: np.ndarray, k: int, iterations: int, seed: int) -> np.ndarray:
-    """Unit-norm centroids of `x` (rows) by cosine k-means: k-means++ seeds, at most `iterations`
-    Lloyd steps (fewer when no row moves); deterministic for a given x and seed. Empty clusters
-    are re-seeded from the rows farthest from their centroid."""
-    x = unit_rows(x.astype(np.float32, copy=False))
-    k = max(1, min(k, len(x)))
-    c = seed_centroids(x, k, np.random.default_rng(seed))
-    before = None
-    for _ in range(iterations):
-        assign, best = nearest(x, c)
-        if before is not None and np.array_equal(assign, before):
-            break
-        before = assign
-        order = np.argsort(assign, kind="stable")
-        used, starts = np.unique(assign[order], return_index=True)
-        sums = np.zeros_like(c)
-        sums[used] = np.add.reduceat(x[order], starts, axis=0)
-        empty = np.setdiff1d(np.arange(k), used)
-        if len(empty):
-            sums[empty] = x[np.argsort(best, kind="stable")[: len(empty)]]
-        c = unit_rows(sums)
-    return c
+def _kmeans(x: np.ndarray, k: int, s: ClusterSettings, seed: int) -> np.ndarray:
+    """Lloyd steps assign through a centroid index too (exhaustive while k is small)."""
+    return spherical_kmeans(x, k, s.kmeans_iterations, seed, assign=indexed_assign(s.coarse_probes, s.seed))
 
 
 def split_oversized(fit: np.ndarray, count: np.ndarray, centroids: np.ndarray, rows: int,
                     s: ClusterSettings) -> tuple[np.ndarray, int, int]:
     """(centroids, clusters split, clusters still oversized). `fit` and `count` are two disjoint
     samples of unit rows; `count` (a 1 / (rows / len(count)) sample) estimates each cluster's
-    size under the real assignment, probes included; `fit` gives an oversized cluster's members."""
+    size under the real assignment (through the centroid index, probes included); `fit` gives an
+    oversized cluster's members."""
     limit = s.max_cluster_factor * s.cluster_size
     per_count_row = rows / max(1, len(count))
     split = 0
     big = np.zeros(0, np.int64)
     for rnd in range(s.split_rounds + 1):
-        top, joined = top_clusters(count, centroids, s.probes, s.probe_margin)
+        index = _index(centroids, s)
+        top, joined = index.top(count, s.probes, s.probe_margin)
         est = np.bincount(top[joined], minlength=len(centroids)) * per_count_row
         big = np.nonzero(est > limit)[0]
         if len(big) == 0 or rnd == s.split_rounds:
             break
-        ftop, fjoined = top_clusters(fit, centroids, s.probes, s.probe_margin)
+        ftop, fjoined = index.top(fit, s.probes, s.probe_margin)
         keep, parts, unsplit = np.ones(len(centroids), bool), [], []
         for j in big:
             members = fit[((ftop == j) & fjoined).any(axis=1)]
@@ -154,7 +100,7 @@ def split_oversized(fit: np.ndarray, count: np.ndarray, centroids: np.ndarray, r
                 unsplit.append(j)
                 continue
             keep[j] = False
-            parts.append(spherical_kmeans(members, sub_k, s.kmeans_iterations, s.seed + 7919 * (rnd + 1) + int(j)))
+            parts.append(_kmeans(members, sub_k, s, s.seed + 7919 * (rnd + 1) + int(j)))
             split += 1
         if not parts:
             break
@@ -164,7 +110,8 @@ def split_oversized(fit: np.ndarray, count: np.ndarray, centroids: np.ndarray, r
 
 def fit_clusters(df, *, key: str, vec: str, rows: int, s: ClusterSettings) -> Clustering:
     """Centroids from a sample chosen by a hash of the key (the same rows whatever the partitioning):
-    half fits k-means, the other half counts the clusters for `split_oversized`."""
+    half fits k-means, the other half counts the clusters for `split_oversized` and measures the
+    index's agreement with exhaustive search."""
     from pyspark.sql import functions as F
 
     k = max(1, math.ceil(rows / s.cluster_size))
@@ -172,43 +119,51 @@ def fit_clusters(df, *, key: str, vec: str, rows: int, s: ClusterSettings) -> Cl
     cut = max(1, math.ceil(_SAMPLE_BUCKETS * want / max(rows, 1)))
     sample = (df.select(key, vec, F.pmod(F.xxhash64(F.col(key), F.lit(s.seed + 1)), F.lit(2)).alias("_half"))
               .where(F.pmod(F.xxhash64(F.col(key), F.lit(s.seed)), F.lit(_SAMPLE_BUCKETS)) < cut)
-              .toPandas().sort_values(key))
-    if len(sample) == 0:
+              .toArrow().sort_by(key))
+    if sample.num_rows == 0:
         raise ValueError("near-duplicate clustering: the sample is empty")
-    x = unit_rows(np.stack(sample[vec].to_numpy()).astype(np.float32))
-    half = sample["_half"].to_numpy()
+    x = unit_rows(vector_matrix(sample.column(vec), vec))
+    half = sample.column("_half").to_numpy()
     fit, count = (x[half == 0], x[half == 1]) if (half == 0).any() and (half == 1).any() else (x, x)
-    centroids = spherical_kmeans(fit, k, s.kmeans_iterations, s.seed)
+    centroids = _kmeans(fit, k, s, s.seed)
     centroids, split, unsplit = split_oversized(fit, count, centroids, rows, s)
-    return Clustering(centroids, len(fit), s.kmeans_iterations, split, unsplit)
+    index = _index(centroids, s)
+    return Clustering(index, len(fit), s.kmeans_iterations, split, unsplit,
+                      round(index.agreement(count[:_AGREEMENT_ROWS], s.probes, s.probe_margin), 4))
 
 
-def assign_batches(batches: Iterator[pd.DataFrame], centroids: np.ndarray, key: str, vec: str,
-                   probes: int, margin: float) -> Iterator[pd.DataFrame]:
-    """mapInPandas body: each row -> one row per cluster it joins (nearest, plus near-equal runners-up)."""
-    for pdf in batches:
-        if len(pdf) == 0:
+def assign_batches(batches, index: CentroidIndex, key: str, vec: str, probes: int, margin: float):
+    """mapInArrow body: each row -> one row per cluster it joins (nearest, plus near-equal runners-up)."""
+    import pyarrow as pa
+
+    for b in batches:
+        if b.num_rows == 0:
             continue
-        m = np.stack(pdf[vec].to_numpy()).astype(np.float32)
-        top, keep = top_clusters(unit_rows(m), centroids, probes, margin)
+        m = vector_matrix(b.column(vec), vec)
+        top, keep = index.top(unit_rows(m), probes, margin)
         rows, ranks = np.nonzero(keep)
-        if len(rows) == 0:  # an empty list-of-arrays column has no Arrow type: yield nothing instead
-            continue
-        yield pd.DataFrame({"_cluster": top[rows, ranks].astype(np.int32), "_key": pdf[key].to_numpy()[rows],
-                            "_id": pdf["id"].to_numpy()[rows], "_group": pdf["_group"].to_numpy()[rows],
-                            "_vec": list(m[rows])})
+        take = pa.array(rows)
+        yield pa.RecordBatch.from_arrays(
+            [pa.array(top[rows, ranks].astype(np.int32)), b.column(key).take(take), b.column("id").take(take),
+             b.column("_group").take(take), vector_array(m[rows])],
+            names=["_cluster", "_key", "_id", "_group", "_vec"])
 
 
-def pairs_in_cluster(pdf: pd.DataFrame, threshold: float) -> pd.DataFrame:
-    """applyInPandas body: one cluster's members -> (key, smallest smaller-key member at sim >= threshold
-    and the same `_group`). sim = dot([q;a], [q';a']) / 2 = the mean of question and answer cosine."""
-    empty = pd.DataFrame({"_key": pd.Series([], dtype="int64"), "_lkey": pd.Series([], dtype="int64"),
-                          "_lid": pd.Series([], dtype=object), "_sim": pd.Series([], dtype="float64")})
-    if len(pdf) < 2:
-        return empty
-    pdf = pdf.sort_values("_key", kind="stable").drop_duplicates("_key")
-    keys, ids, groups = pdf["_key"].to_numpy(), pdf["_id"].to_numpy(), pdf["_group"].to_numpy()
-    m = np.stack(pdf["_vec"].to_numpy()).astype(np.float32)
+def pairs_in_cluster(t, threshold: float):
+    """applyInArrow body: one cluster's members -> its size row (`_members`, `_key` null) and, per member
+    with one, its smallest smaller-key member at sim >= threshold of the same `_group`.
+    sim = dot([q;a], [q';a']) / 2 = the mean of question and answer cosine."""
+    import pyarrow as pa
+
+    keys_all = t.column("_key").to_numpy()
+    order = np.argsort(keys_all, kind="stable")
+    first = np.ones(len(order), bool)
+    first[1:] = keys_all[order][1:] != keys_all[order][:-1]  # a row that joined twice (never here) counts once
+    order = order[first]
+    keys, groups = keys_all[order], t.column("_group").to_numpy()[order]
+    ids = t.column("_id").combine_chunks().take(pa.array(order))
+    m = vector_matrix(t.column("_vec"), "_vec")[order] if len(order) else np.zeros((0, 0), np.float32)
+    cluster = t.column("_cluster")[0].as_py() if t.num_rows else None
     out_j, out_l = [], []
     for lo in range(1, len(m), _BLOCK):
         hi = min(len(m), lo + _BLOCK)
@@ -220,30 +175,48 @@ def pairs_in_cluster(pdf: pd.DataFrame, threshold: float) -> pd.DataFrame:
         if len(rows):
             out_j.append(lo + rows)
             out_l.append(hit[rows].argmax(axis=1))  # the smallest key wins, as in the LSH path
-    if not out_j:
-        return empty
-    jidx, lidx = np.concatenate(out_j), np.concatenate(out_l)
+    jidx = np.concatenate(out_j) if out_j else np.zeros(0, np.int64)
+    lidx = np.concatenate(out_l) if out_l else np.zeros(0, np.int64)
     # the decision is the float64 cosine, as in the LSH path; float32 only finds the candidates
     sims64 = np.einsum("ij,ij->i", m[jidx].astype(np.float64), m[lidx].astype(np.float64)) / 2.0
     ok = sims64 >= threshold
-    return pd.DataFrame({"_key": keys[jidx[ok]], "_lkey": keys[lidx[ok]], "_lid": ids[lidx[ok]], "_sim": sims64[ok]})
+    n = int(ok.sum())
+    return pa.table({
+        "_cluster": pa.array([cluster] * (n + 1), pa.int32()),
+        "_members": pa.array([len(keys)] + [None] * n, pa.int64()),
+        "_key": pa.array([None] + keys[jidx[ok]].tolist(), pa.int64()),
+        "_lkey": pa.array([None] + keys[lidx[ok]].tolist(), pa.int64()),
+        "_lid": pa.concat_arrays([pa.array([None], pa.string()), ids.take(pa.array(lidx[ok])).cast(pa.string())]),
+        "_sim": pa.array([None] + sims64[ok].tolist(), pa.float64()),
+    })
 
 
 def find_near_duplicates_clustered(df, *, key: str, vec: str, threshold: float, rows: int, s: ClusterSettings,
-                                   group: str | None = None):
+                                   group: str | None = None) -> ClusteredNearDuplicates:
     """(key, `_near_rep`, `_near_sim`) for every row with a smaller-key near duplicate of the same
     `group` (all rows one group when None), and the clustering. Groups only mask pairs inside a
-    cluster: k-means runs on the vectors alone, so many small groups cost nothing extra."""
+    cluster: k-means runs on the vectors alone, so many small groups cost nothing extra. The
+    in-cluster output (pairs + one size row per cluster, small) is persisted: the found rows and
+    the cluster sizes both come from it, so the rows are assigned and shuffled once."""
     from pyspark.sql import functions as F
 
-    clustering = fit_clusters(df, key=key, vec=vec, rows=rows, s=s)
-    centroids, probes, margin = clustering.centroids, s.probes, s.probe_margin
     from spark_jobs.dedup_recall import group_column
 
-    assigned = df.select(key, "id", group_column(group).alias("_group"), vec).mapInPandas(
-        lambda it: assign_batches(it, centroids, key, vec, probes, margin), ASSIGN_SCHEMA)
-    pairs = assigned.groupBy("_cluster").applyInPandas(lambda pdf: pairs_in_cluster(pdf, threshold), PAIR_SCHEMA)
+    clustering = fit_clusters(df, key=key, vec=vec, rows=rows, s=s)
+    index, probes, margin = clustering.index, s.probes, s.probe_margin
+    assigned = df.select(key, "id", group_column(group).alias("_group"), vec).mapInArrow(
+        lambda it: assign_batches(it, index, key, vec, probes, margin), ASSIGN_SCHEMA)
+    out = assigned.groupBy("_cluster").applyInArrow(lambda t: pairs_in_cluster(t, threshold), PAIR_SCHEMA).persist()
+    pairs = out.where(F.col("_key").isNotNull())
     best = pairs.groupBy("_key").agg(F.min(F.struct("_lkey", "_lid", "_sim")).alias("_m"))
     found = best.select(F.col("_key").alias(key), F.col("_m._lid").alias("_near_rep"), F.col("_m._sim").alias("_near_sim"))
-    sizes = assigned.groupBy("_cluster").count()
-    return found, clustering, sizes
+    sizes = out.where(F.col("_key").isNull()).select("_cluster", F.col("_members").alias("count"))
+    return ClusteredNearDuplicates(found, clustering, sizes, out)
+
+
+@dataclass(frozen=True)
+class ClusteredNearDuplicates:
+    found: DataFrame  # key, _near_rep, _near_sim
+    clustering: Clustering
+    sizes: DataFrame  # _cluster, count (rows that joined it)
+    cached: DataFrame  # persisted here: unpersist once `found` is materialised

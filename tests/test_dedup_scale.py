@@ -8,12 +8,16 @@ import math
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 
+from spark_jobs.arrow_vectors import vector_array
+from spark_jobs.centroid_index import CentroidIndex
 from spark_jobs.dedup import lsh_candidate_probability, lsh_warnings, plan_lsh
 from spark_jobs.dedup_recall import wilson
 from spark_jobs.dedup_types import ClusterSettings, LshSettings, NearDupSettings
-from spark_jobs.near_dup_clusters import pairs_in_cluster, spherical_kmeans, split_oversized, top_clusters
+from spark_jobs.near_dup_clusters import pairs_in_cluster, split_oversized
+from spark_jobs.spherical_kmeans import spherical_kmeans, top_clusters
 
 DIM = 16  # per half: [q; a] rows have 2 * DIM values
 
@@ -71,15 +75,29 @@ def brute_force(v: np.ndarray, keys: np.ndarray, threshold: float, groups: np.nd
     return out
 
 
+def cluster_table(v: np.ndarray, keys: np.ndarray, groups: np.ndarray, cluster: int = 7) -> pa.Table:
+    """One cluster's members as the in-cluster step receives them (applyInArrow)."""
+    return pa.table({"_cluster": pa.array([cluster] * len(keys), pa.int32()), "_key": keys,
+                     "_id": [f"id{k}" for k in keys], "_group": groups, "_vec": vector_array(v)})
+
+
+def pair_rows(t: pa.Table) -> pd.DataFrame:
+    """The pair rows of pairs_in_cluster's output (its size row has a null key)."""
+    df = t.to_pandas()
+    return df[df["_key"].notna()].astype({"_key": "int64", "_lkey": "int64"})
+
+
 def test_pairs_in_cluster_equals_brute_force():
     v = clustered_rows(700, 5, seed=3)
     keys = np.random.default_rng(0).permutation(10_000)[:700].astype(np.int64)
-    pdf = pd.DataFrame({"_key": keys, "_id": [f"id{k}" for k in keys], "_group": np.zeros(700, np.int64), "_vec": list(v)})
-    got = pairs_in_cluster(pdf, 0.9)
+    out = pairs_in_cluster(cluster_table(v, keys, np.zeros(700, np.int64)), 0.9)
+    got = pair_rows(out)
     want = brute_force(v, keys, 0.9)
     assert len(want) > 30
-    assert dict(zip(got["_key"].astype(int), got["_lkey"].astype(int), strict=True)) == want
+    assert dict(zip(got["_key"], got["_lkey"], strict=True)) == want
     assert (got["_lid"] == ["id" + str(k) for k in got["_lkey"]]).all()
+    size = out.to_pandas().query("_key.isna()")
+    assert size["_members"].tolist() == [700] and size["_cluster"].tolist() == [7]
 
 
 def test_pairs_in_cluster_pairs_only_rows_of_one_group():
@@ -88,9 +106,8 @@ def test_pairs_in_cluster_pairs_only_rows_of_one_group():
     v = clustered_rows(700, 5, seed=3)
     keys = np.random.default_rng(0).permutation(10_000)[:700].astype(np.int64)
     groups = np.random.default_rng(1).integers(0, 3, 700).astype(np.int64)
-    pdf = pd.DataFrame({"_key": keys, "_id": [f"id{k}" for k in keys], "_group": groups, "_vec": list(v)})
-    got = dict(zip(pairs_in_cluster(pdf, 0.9)["_key"].astype(int), pairs_in_cluster(pdf, 0.9)["_lkey"].astype(int),
-                   strict=True))
+    pairs = pair_rows(pairs_in_cluster(cluster_table(v, keys, groups), 0.9))
+    got = dict(zip(pairs["_key"], pairs["_lkey"], strict=True))
     want = brute_force(v, keys, 0.9, groups)
     assert len(want) > 5 and len(want) < len(brute_force(v, keys, 0.9))
     assert got == want
@@ -125,6 +142,58 @@ def test_split_oversized_bounds_the_clusters_plain_kmeans_leaves_too_big():
     assert np.array_equal(split, split_oversized(fit, count, plain, n, s)[0])
     _, none_split, still = split_oversized(fit, count, plain, n, ClusterSettings(cluster_size=100, split_rounds=0))
     assert none_split == 0 and still >= 1
+
+
+def topic_rows(n: int, topics: int, seed: int, noise: float = 0.02, d: int = 64) -> np.ndarray:
+    """Anisotropic topic rows, `d` values per half (every row near one common direction, as MiniLM's
+    are), same-topic cosine ~1 / (1 + d noise^2)."""
+    rng = np.random.default_rng(seed)
+    centres = halves(rng.normal(size=2 * d) * 0.5 + rng.normal(size=(topics, 2 * d)) / np.sqrt(d))
+    v = halves(centres[rng.integers(0, topics, n)] + rng.normal(0, noise, (n, 2 * d)))
+    return v
+
+
+def index_case(coarse_probes: int):
+    """400 leaf centroids fitted on topic rows, queries from the same distribution; 20 coarse lists."""
+    x = topic_rows(24_000, 300, seed=21)
+    leaves = spherical_kmeans(x[:16_000], 400, 10, seed=0)
+    return CentroidIndex.build(leaves, coarse_probes, seed=0), leaves, x[16_000:]
+
+
+def test_centroid_index_finds_the_exhaustive_leaves_with_a_fraction_of_the_products():
+    """Two-level search (coarse k-means over the leaves, 8 of 20 coarse lists per row) gives almost
+    every row the nearest leaf and the joined leaves (probes 2, margin 0.05) that scoring every leaf
+    gives, while scoring under half of them."""
+    index, leaves, q = index_case(coarse_probes=8)
+    assert not index.exhaustive and len(index.coarse) == 20
+    assert sorted(index.lists.tolist()) == list(range(400)) and index.offsets[-1] == 400  # every leaf filed once
+    top, joined = index.top(q, 2, 0.05)
+    want_top, want_joined = top_clusters(q, leaves, 2, 0.05)
+    assert np.mean(top[:, 0] == want_top[:, 0]) >= 0.99
+    same = [set(top[i][joined[i]]) == set(want_top[i][want_joined[i]]) for i in range(len(q))]
+    assert np.mean(same) >= 0.98 and index.agreement(q, 2, 0.05) == pytest.approx(np.mean(same))
+    assert index.products_per_row < 0.5 * len(leaves)
+
+
+def test_centroid_index_agreement_exposes_a_coarse_level_that_does_not_fit_the_leaves():
+    """What the stage reports (NearDupReport.assignment_agreement) sees a broken index: coarse
+    centroids that are not the leaves' k-means send rows to the wrong lists."""
+    index, _, q = index_case(coarse_probes=8)
+    rng = np.random.default_rng(5)
+    broken = CentroidIndex(index.leaves, halves(rng.normal(size=index.coarse.shape)), index.lists, index.offsets,
+                           index.coarse_probes)
+    assert index.agreement(q, 2, 0.05) >= 0.98
+    assert broken.agreement(q, 2, 0.05) < 0.8
+
+
+def test_centroid_index_is_exhaustive_search_when_it_cannot_save_products():
+    _, leaves, q = index_case(coarse_probes=8)
+    for coarse_probes in (0, 20, 64):  # 0 = off; 20 of ceil(sqrt(400)) = 20 lists = all of them
+        index = CentroidIndex.build(leaves, coarse_probes, seed=0)
+        assert index.exhaustive
+        got, want = index.top(q, 2, 0.05), top_clusters(q, leaves, 2, 0.05)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+        assert index.agreement(q, 2, 0.05) == 1.0
 
 
 def test_wilson_interval():
@@ -216,6 +285,30 @@ def test_skewed_input_biggest_cluster_is_split_and_keeps_its_recall(spark, tmp_p
     assert r.measured.with_duplicate == len(want) and r.measured.recall == round(recall, 4)
 
 
+def test_stage_assigns_through_the_centroid_index_and_reports_its_agreement(spark, tmp_path):
+    """The entry point with an active index (120 leaves, 11 coarse lists, 4 probed): pairs are found
+    as by brute force (a near-duplicate pair's two rows take the same path through the index, so the
+    index's misses cost little recall: measured 0.992 here, 1.0 exhaustive, 0.956 with 2 probed),
+    and the report states the index's agreement with exhaustive search and its setting."""
+    from spark_jobs.dedup import near_duplicates
+
+    n = 6000
+    v = clustered_rows(n, 60, seed=8)
+    keys = np.random.default_rng(6).choice(1 << 30, size=n, replace=False).astype(np.int64)
+    want = brute_force(v, keys, 0.9)
+    c = ClusterSettings(cluster_size=50, coarse_probes=4)
+    got = near_duplicates(frame(spark, v, keys, 3, tmp_path), key="_key", vec="_vec",
+                          settings=NearDupSettings(threshold=0.9, method="cluster", cluster=c, recall_sample=1000))
+    found = {int(r["_key"]): int(r["_near_rep"][2:]) for r in got.frame.collect()}
+    got.frame.unpersist()
+    r = got.report
+    assert len(want) > 400 and set(found) <= set(want) and all(found[k] == want[k] for k in found)
+    assert len(found) / len(want) >= 0.95
+    assert r.parameters["coarse_probes"] == 4 and r.clusters >= 120
+    assert 0.7 <= r.assignment_agreement < 1.0  # approximate, and measured: exhaustive search would say 1.0
+    assert r.as_manifest()["assignment_agreement"] == r.assignment_agreement
+
+
 def test_measured_recall_sees_a_method_that_misses(spark, tmp_path):
     """The recall check is independent of the method: an LSH with one band of many bits misses most pairs,
     and the report says so (and states the analytic value it expected)."""
@@ -249,3 +342,16 @@ def test_both_methods_and_the_recall_check_respect_groups(spark, tmp_path, metho
     assert set(found) <= set(want) and all(found[k] == want[k] for k in found)  # no cross-group drop
     assert len(found) / len(want) >= 0.95
     assert got.report.measured.with_duplicate == len(want)  # the brute-force truth is per group too
+
+
+def test_coarse_probes_setting_is_validated_and_reaches_the_method():
+    from pydantic import ValidationError
+
+    from pipeline_core.config import FilterSection
+    from spark_jobs.dedup import settings_for
+
+    assert settings_for(FilterSection()).cluster.coarse_probes == 8
+    assert settings_for(FilterSection(near_dup_coarse_probes=0)).cluster.coarse_probes == 0  # 0 = exhaustive
+    for bad in (-1, 5000):
+        with pytest.raises(ValidationError, match="near_dup_coarse_probes"):
+            FilterSection(near_dup_coarse_probes=bad)
