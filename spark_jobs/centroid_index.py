@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spark_jobs.spherical_kmeans import ASSIGN_BLOCK, nearest, spherical_kmeans, top_clusters, top_k
+from spark_jobs.spherical_kmeans import blocked_top, nearest, spherical_kmeans, top_clusters, top_k
 
 _COARSE_ITERATIONS = 20
 
@@ -75,21 +75,15 @@ class CentroidIndex:
         """As `top_clusters(x, leaves, probes, margin)`: (leaves, joined), searched through the index."""
         if self.exhaustive:
             return top_clusters(x, self.leaves, probes, margin)
-        probes = min(probes, len(self.leaves))
-        top = np.empty((len(x), probes), np.int64)
-        top_sims = np.empty((len(x), probes), np.float32)
-        for lo in range(0, len(x), ASSIGN_BLOCK):
-            top[lo:lo + ASSIGN_BLOCK], top_sims[lo:lo + ASSIGN_BLOCK] = self._top_block(x[lo:lo + ASSIGN_BLOCK], probes)
-        return top, top_sims >= top_sims[:, :1] - margin
+        top, sims = blocked_top(x, min(probes, len(self.leaves)), self._top_block)
+        return top, sims >= sims[:, :1] - margin
 
     def nearest(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(leaf, cosine) of each unit row's nearest leaf."""
         if self.exhaustive:
             return nearest(x, self.leaves)
-        top, _ = self.top(x, 1, 0.0)
-        idx = top[:, 0]
-        return idx, np.einsum("ij,ij->i", x, self.leaves[idx])
-
+        top, sims = blocked_top(x, 1, self._top_block)
+        return top[:, 0], sims[:, 0]
 
     def _top_block(self, xb: np.ndarray, probes: int) -> tuple[np.ndarray, np.ndarray]:
         groups, _ = top_k(xb @ self.coarse.T, self.coarse_probes, scratch=True)  # (B, coarse_probes)

@@ -15,10 +15,9 @@ import math
 import numpy as np
 
 from spark_jobs.arrow_vectors import vector_matrix
-from spark_jobs.dedup_types import RecallEstimate
+from spark_jobs.dedup_types import FLOAT32_SLACK, RecallEstimate
 
 _SAMPLE_BUCKETS = 1 << 20
-_SLACK = 1e-5  # float32 products can sit a hair under the float64 cosine
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -44,7 +43,7 @@ def _truth_batches(batches, sample_keys: np.ndarray, sample_vecs: np.ndarray, sa
             continue
         m = vector_matrix(b.column(vec), vec)
         keys, groups = b.column(key).to_numpy(), b.column("_group").to_numpy()
-        cand = ((m @ s32.T) / 2.0 >= threshold - _SLACK) & (keys[:, None] < sample_keys[None, :]) \
+        cand = ((m @ s32.T) / 2.0 >= threshold - FLOAT32_SLACK) & (keys[:, None] < sample_keys[None, :]) \
             & (groups[:, None] == sample_groups[None, :])
         r, c = np.nonzero(cand)
         sims = np.einsum("ij,ij->i", m[r].astype(np.float64), sample_vecs[c]) / 2.0

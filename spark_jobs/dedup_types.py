@@ -8,6 +8,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 Method = Literal["cluster", "lsh"]
+# float32 products find candidates down to this under the threshold (they can sit a hair under the
+# float64 cosine); the float64 product of the candidate pairs decides
+FLOAT32_SLACK = 1e-5
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import numpy as np
 
 from spark_jobs.arrow_vectors import vector_array, vector_matrix
 from spark_jobs.centroid_index import CentroidIndex, indexed_assign
-from spark_jobs.dedup_types import ClusterSettings
+from spark_jobs.dedup_types import FLOAT32_SLACK, ClusterSettings
 from spark_jobs.spherical_kmeans import spherical_kmeans, unit_rows
 
 if TYPE_CHECKING:
@@ -48,7 +48,6 @@ ASSIGN_SCHEMA = "_cluster int, _key long, _id string, _group long, _vec array<fl
 _BLOCK = 2048  # rows per block of the in-cluster similarity product (block x members floats in memory)
 _AGREEMENT_ROWS = 4096  # held-out sample rows on which the index is compared with exhaustive search
 _SAMPLE_BUCKETS = 1 << 20
-_SLACK = 1e-5  # float32 products can sit a hair under the float64 cosine
 
 
 @dataclass(frozen=True)
@@ -170,7 +169,7 @@ def pairs_in_cluster(t, threshold: float):
         sims = (m[lo:hi] @ m[:hi].T) / 2.0  # rows lo..hi against every member with a smaller key (sorted)
         sims[np.arange(hi - lo)[:, None] <= np.arange(hi)[None, :] - lo] = -np.inf  # only earlier (smaller) keys
         sims[groups[lo:hi, None] != groups[None, :hi]] = -np.inf  # only rows of the same group
-        hit = sims >= threshold - _SLACK
+        hit = sims >= threshold - FLOAT32_SLACK
         rows = np.nonzero(hit.any(axis=1))[0]
         if len(rows):
             out_j.append(lo + rows)

@@ -47,26 +47,32 @@ def top_k(sims: np.ndarray, k: int, scratch: bool = False) -> tuple[np.ndarray, 
     return np.take_along_axis(part, order, axis=1), np.take_along_axis(vals, order, axis=1)
 
 
+def blocked_top(x: np.ndarray, k: int, top_of_block: Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(columns, cosines) of each row's k best, `top_of_block` applied to ASSIGN_BLOCK rows at a time
+    (a rows x centroids product of all rows at once would not fit in memory)."""
+    top = np.empty((len(x), k), np.int64)
+    sims = np.empty((len(x), k), np.float32)
+    for lo in range(0, len(x), ASSIGN_BLOCK):
+        top[lo:lo + ASSIGN_BLOCK], sims[lo:lo + ASSIGN_BLOCK] = top_of_block(x[lo:lo + ASSIGN_BLOCK], k)
+    return top, sims
+
+
+def _scored(centroids: np.ndarray) -> Callable[[np.ndarray, int], tuple[np.ndarray, np.ndarray]]:
+    return lambda xb, k: top_k(xb @ centroids.T, k, scratch=True)
+
+
 def top_clusters(x: np.ndarray, centroids: np.ndarray, probes: int, margin: float) -> tuple[np.ndarray, np.ndarray]:
     """Exhaustive search. (clusters, joined): each unit row's `probes` nearest centroids, nearest
     first, and which of them it joins (the nearest always; a further one within `margin` cosine)."""
-    probes = min(probes, len(centroids))
-    top = np.empty((len(x), probes), np.int64)
-    top_sims = np.empty((len(x), probes), np.float32)
-    for lo in range(0, len(x), ASSIGN_BLOCK):
-        top[lo:lo + ASSIGN_BLOCK], top_sims[lo:lo + ASSIGN_BLOCK] = top_k(x[lo:lo + ASSIGN_BLOCK] @ centroids.T, probes, scratch=True)
-    return top, top_sims >= top_sims[:, :1] - margin
+    top, sims = blocked_top(x, min(probes, len(centroids)), _scored(centroids))
+    return top, sims >= sims[:, :1] - margin
 
 
 def nearest(x: np.ndarray, centroids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Exhaustive search: (index, cosine) of each unit row's nearest centroid."""
-    idx = np.empty(len(x), np.int64)
-    best = np.empty(len(x), np.float32)
-    for lo in range(0, len(x), ASSIGN_BLOCK):
-        sims = x[lo:lo + ASSIGN_BLOCK] @ centroids.T
-        idx[lo:lo + len(sims)] = sims.argmax(axis=1)
-        best[lo:lo + len(sims)] = sims[np.arange(len(sims)), idx[lo:lo + len(sims)]]
-    return idx, best
+    top, sims = blocked_top(x, 1, _scored(centroids))
+    return top[:, 0], sims[:, 0]
 
 
 def seed_centroids(x: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
