@@ -173,7 +173,8 @@ def pack(args) -> int:
                                  / (args.seq_len * sum(v["rows"] for v in stats.values())), 4),
         train_on=FilterSection().train_on, prompt_context=FilterSection().prompt_context)
     (out / "train_ready.json").write_text(json.dumps({"info": info.to_extra(), "source": meta,
-                                                      "counts": {"in": len(docs), "out": len(docs)}}, indent=1))
+                                                      "counts": {"in": len(docs) + sum(meta["rejected"].values()), "out": len(docs),
+                                                                 "rejected": meta["rejected"]}}, indent=1))
     print(json.dumps({"splits": stats, "packing_efficiency": info.packing_efficiency, "out": str(out)}))
     return 0
 

@@ -49,7 +49,9 @@ def test_docstrings_render_and_pack_into_train_ready_rows(tmp_path):
     assert len(documents) == 3 and meta["rejected"] == {"too_long": 1}
     out = tmp_path / "ready"
     assert parity_corpus.main(["pack", "--docs", str(docs), "--out", str(out), "--seq-len", str(SEQ)]) == 0
-    info = json.loads((out / "train_ready.json").read_text())["info"]
+    ready = json.loads((out / "train_ready.json").read_text())
+    assert ready["counts"] == {"in": 4, "out": 3, "rejected": {"too_long": 1}}  # in = out + rejected
+    info = ready["info"]
     assert info["seq_len"] == SEQ and info["tokenizer"]["name"] == "mistral-v1" and info["tokenizer"]["vocab_size"] == 32000
     total = {"train": 0, "val": 0}
     for split in total:
