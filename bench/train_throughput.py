@@ -58,6 +58,7 @@ from bench.metrics import (  # noqa: E402
 )
 from bench.power import PowerMeter  # noqa: E402
 from training import flops  # noqa: E402
+from training.fp8 import FP8_RECIPES  # noqa: E402
 
 SETUPS = ("trainer", "pipeline", "hf_single", "hf_zero2", "fsdp2")
 
@@ -662,7 +663,7 @@ def parse_args(argv=None):
     p.add_argument("--async-checkpoint", type=int, choices=(0, 1), default=1, help="trainer: train.async_checkpoint")
     p.add_argument("--fused-wgrad", type=int, choices=(0, 1), default=1,
                    help="trainer: train.fused_wgrad_accumulation")
-    p.add_argument("--fp8", choices=("off", "tensorwise", "rowwise"), default="off", help="trainer: train.fp8")
+    p.add_argument("--fp8", choices=("off", *FP8_RECIPES), default="off", help="trainer: train.fp8")
     p.add_argument("--lr", type=float, default=1e-5, help="trainer: train.learning_rate (loss-parity runs)")
     p.add_argument("--data", default=None,
                    help="trainer: a train-ready directory from bench/parity_corpus.py pack (real text) instead of random rows")
