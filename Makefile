@@ -28,6 +28,7 @@ $(STAMP): $(LOCK) pyproject.toml
 	@touch $(STAMP)
 
 test: $(STAMP)
+	@bash scripts/ensure_browser.sh
 	$(BIN)/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 lint: $(STAMP)
