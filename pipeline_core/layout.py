@@ -7,44 +7,28 @@ what makes re-running a stage a no-op.
 
 from __future__ import annotations
 
-from pydantic import BaseModel
-
 from pipeline_core import uris
-from pipeline_core.config import Config, SparkStageSection, stable_hash
+from pipeline_core.config import Config, Role, TrainSection, stable_hash
 
-# How a stage runs, not what it computes: moving a job to a cluster or retuning its partitions
-# must find the artifact it already committed, not a new path.
-EXECUTION_ONLY = frozenset(SparkStageSection.model_fields) | {
-    "embedding_threads", "arrow_batch_rows", "embedding_device", "embedding_batch_tokens", "embedding_tokenizer_threads"}
-
-
-# Train settings a resume may change: how the run executes, not what its weights and data position mean.
-# Every other train field (model, seq_len, lr, batch shape, seed, precision, ds_config, ...) must match
-# the checkpoint's, or the resume is refused (training/checkpoints.py ResumeContract). `steps` may grow:
-# "continue this run to N steps" is a normal request.
-TRAIN_EXECUTION_ONLY = frozenset({
-    "steps", "checkpoint_every", "keep_last", "eval_batches", "verify_parity", "parity_tolerance", "peak_tflops",
-    "attention_backend", "fast_kernels", "activation_checkpoint_interval", "max_failed_pushes",
-    "max_pending_pushes", "push_backoff_s", "lease_ttl_s", "resume_across_changes",
-    "compile_layers", "sync_free_attention", "causal_rows_sdpa", "fused_grad_accumulation", "pin_memory",
-    "async_checkpoint",
-})
+# What a stage or run computes, not how it runs, comes from each field's declared role
+# (config.content / config.execution): moving a job to a cluster or retuning its partitions finds the
+# artifact it already committed; a resume may change execution settings, every content setting must
+# match the checkpoint's (training/checkpoints.py ResumeContract). `steps` is execution: "continue
+# this run to N steps" is a normal request.
 
 
 def train_content_settings(train: dict) -> dict:
-    return {k: v for k, v in train.items() if k not in TRAIN_EXECUTION_ONLY}
-
-
-def content_settings(section: BaseModel) -> dict:
-    return section.model_dump(mode="json", exclude=set(EXECUTION_ONLY) & set(type(section).model_fields))
+    """A train section (as stored in a manifest) without its execution-only fields."""
+    execution_only = TrainSection.fields_of(Role.EXECUTION)
+    return {k: v for k, v in train.items() if k not in execution_only}
 
 
 def enriched_id(cfg: Config) -> str:
-    return stable_hash({"source": cfg.pipeline.source_uri, "enrich": content_settings(cfg.enrich)})[:12]
+    return stable_hash({"source": cfg.pipeline.source_uri, "enrich": cfg.enrich.content_settings()})[:12]
 
 
 def train_ready_id(cfg: Config) -> str:
-    return stable_hash({"enriched": enriched_id(cfg), "filter": content_settings(cfg.filter)})[:12]
+    return stable_hash({"enriched": enriched_id(cfg), "filter": cfg.filter.content_settings()})[:12]
 
 
 def dataset_uri(cfg: Config) -> str:

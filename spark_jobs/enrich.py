@@ -34,7 +34,6 @@ if __package__ in (None, ""):
 from pipeline_core import uris
 from pipeline_core.artifacts import Manifest
 from pipeline_core.config import Config, EnrichSection, load_config
-from pipeline_core.layout import content_settings
 from spark_jobs.common import (
     StageContext,
     StageOutput,
@@ -167,7 +166,7 @@ def score_udf(e: EnrichSection, threads: int):
 
 def stage_config(cfg: Config, input_uri: str) -> dict[str, Any]:
     """What determines the artifact's content: recorded in (and hashed into) the manifest."""
-    return {"stage": STAGE, "input": input_uri, "enrich": content_settings(cfg.enrich)}
+    return {"stage": STAGE, "input": input_uri, "enrich": cfg.enrich.content_settings()}
 
 
 def run(input_uri: str, output_uri: str, cfg: Config, spark: SparkSession | None = None) -> Manifest:

@@ -39,7 +39,6 @@ from pipeline_core.artifacts import (
 )
 from pipeline_core.config import Config, load_config
 from pipeline_core.handoffs import TrainReadyInfo
-from pipeline_core.layout import content_settings
 from spark_jobs.common import (
     StageContext,
     StageOutput,
@@ -90,7 +89,7 @@ def _input_paths(input_uri: str, manifest: Manifest, cfg: Config, ctx: StageCont
 def stage_config(cfg: Config, input_uri: str, input_manifest: Manifest) -> dict[str, Any]:
     """What determines the artifact's content: recorded in (and hashed into) the manifest."""
     return {"stage": STAGE, "input": input_uri, "input_manifest_sha256": input_manifest.sha256,
-            "filter": content_settings(cfg.filter)}
+            "filter": cfg.filter.content_settings()}
 
 
 def run(input_uri: str, output_uri: str, cfg: Config, spark=None) -> Manifest:

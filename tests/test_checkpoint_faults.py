@@ -259,7 +259,20 @@ def test_resume_is_refused_when_content_settings_or_input_differ(run, tmp_path, 
         ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "c", contract=contract, key=KEY)
     assert _keys(run) == before, "a refused resume moves and deletes nothing"
     # execution-only settings may differ; an explicit request allows a content change
-    ok = _contract(run, learning_rate=1e-4, seq_len=1024, checkpoint_every=3, keep_last=5, steps=99)
+    ok = _contract(run, learning_rate=1e-4, seq_len=1024, checkpoint_every=3, keep_last=5, steps=99,
+                   io_timeout_s=600, max_bad_steps=7, eval_every=5, fused_wgrad_accumulation=False)
     assert ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "d", contract=ok, key=KEY).step == 2
     allowed = _contract(run, allow=True, learning_rate=2e-4, seq_len=1024)
     assert ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "e", contract=allowed, key=KEY).step == 2
+
+
+def test_resume_across_an_upgrade_that_added_a_setting_is_accepted(run, tmp_path, s3_server):
+    """A checkpoint written before a content field existed lacks it: it reads as the field's default."""
+    old = _cfg_json(learning_rate=1e-4, seq_len=1024)
+    del old["train"]["grad_accum_dtype"]  # as if this code added the field after the checkpoint was written
+    _push(run, 2, config=old)
+    same = _contract(run, learning_rate=1e-4, seq_len=1024)
+    assert ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "a", contract=same, key=KEY).step == 2
+    with pytest.raises(ckpt.ResumeRefused, match=r"train.grad_accum_dtype: checkpoint 'fp32', this run 'bf16'"):
+        ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "b", key=KEY,
+                                contract=_contract(run, learning_rate=1e-4, seq_len=1024, grad_accum_dtype="bf16"))

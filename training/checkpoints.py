@@ -55,6 +55,7 @@ from pipeline_core.artifacts import (
     read_manifest,
     write_latest,
 )
+from pipeline_core.config import TrainSection
 from pipeline_core.store import open_store
 
 log = logging.getLogger(__name__)
@@ -216,7 +217,10 @@ class ResumeContract:
                    [{"uri": i["uri"], "manifest_sha256": i["manifest_sha256"]} for i in inputs], allow_changes)
 
     def differences(self, manifest: Manifest) -> list[str]:
-        theirs = layout.train_content_settings((manifest.config or {}).get("train") or {})
+        # A field this code added after the checkpoint was written reads as its default: an upgrade
+        # that adds a setting is not a change of what the run computes.
+        theirs = {**layout.train_content_settings(TrainSection().model_dump(mode="json")),
+                  **layout.train_content_settings((manifest.config or {}).get("train") or {})}
         diffs = [f"train.{k}: checkpoint {theirs.get(k)!r}, this run {self.train.get(k)!r}"
                  for k in sorted(set(theirs) | set(self.train)) if theirs.get(k) != self.train.get(k)]
         ckpt_inputs = [{"uri": i.uri, "manifest_sha256": i.manifest_sha256} for i in manifest.input_refs()]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline_core.config import NEMOTRON_SPLITS, NEMOTRON_V2_SPLITS, SPLIT_ALIASES
+from pipeline_core.config import NEMOTRON_SPLITS, NEMOTRON_V2_SPLITS, SPLIT_ALIASES, trigger_overridable
 
 STAGES = ("enrich", "filter", "train")
 COMPONENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
@@ -41,21 +41,9 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 # `config_overrides` keys a trigger may set: what a run computes (thresholds, sizes, steps, rates,
-# seeds). Explicit on purpose: a field added to the config is not overridable until it is listed.
-OVERRIDABLE: frozenset[str] = frozenset({
-    # Spark's partition counts tune, they cannot redirect I/O or load code (unlike spark_conf)
-    "enrich.shuffle_partitions", "filter.shuffle_partitions",
-    *(f"enrich.{f}" for f in ("splits", "input_format", "reasoning", "max_context_sentences", "max_sentence_chars",
-                              "top_k", "relevance_threshold", "question_weight", "answer_weight")),
-    *(f"filter.{f}" for f in ("min_qa_similarity", "exact_dedup", "near_dup_threshold", "lsh_bands",
-                              "lsh_min_band_matches", "lsh_rows_per_band", "lsh_max_leaders", "lsh_seed",
-                              "min_answer_tokens", "max_tokens", "val_fraction", "seq_len", "overflow",
-                              "train_on_reasoning", "seed", "pack_buffer_docs")),
-    *(f"train.{f}" for f in ("pipeline_stages", "partition_method", "seq_len", "micro_batch_size",
-                             "gradient_accumulation_steps", "global_batch_size", "steps", "learning_rate",
-                             "warmup_steps", "checkpoint_every", "keep_last", "seed", "precision",
-                             "activation_checkpoint_interval", "eval_batches")),
-})
+# seeds), declared on each config field (`trigger=True` in pipeline_core/config.py). A field added to
+# the config is not overridable until its declaration says so.
+OVERRIDABLE: frozenset[str] = trigger_overridable()
 
 
 def _nullable(kind: str, description: str, **schema: Any) -> dict[str, Any]:
