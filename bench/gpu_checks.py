@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from training.flops import H200_PEAK_FLOPS  # noqa: E402  (after the repo is on sys.path)
 
 RESULTS: dict = {"checks": {}}
 
@@ -260,9 +261,9 @@ def layer_lever_timings(micro_batch: int = 2, seq: int = 4096) -> dict:
                 h.backward(g)
 
             t = cuda_time(fwd_bwd, warmup=3, iters=8)
-            out[name] = {"ms": t * 1e3, "layer_mfu": flops / t / 989e12,
+            out[name] = {"ms": t * 1e3, "layer_mfu": flops / t / H200_PEAK_FLOPS,
                          "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-            print(f"layer {name}: {t * 1e3:.2f} ms fwd+bwd, layer-MFU {flops / t / 989e12:.1%}", flush=True)
+            print(f"layer {name}: {t * 1e3:.2f} ms fwd+bwd, layer-MFU {flops / t / H200_PEAK_FLOPS:.1%}", flush=True)
             del layer, xi
         except Exception as exc:  # keep measuring the other variants
             out[name] = {"error": f"{type(exc).__name__}: {exc}"[:500]}

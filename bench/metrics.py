@@ -13,10 +13,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from training.flops import H200_PEAK_FLOPS as H100_H200_BF16_DENSE_FLOPS
 from training.flops import ModelShape, flops_per_token
-
-H100_H200_BF16_DENSE_FLOPS = 989e12  # datasheet dense bf16 peak of one H100/H200 SXM
-
 
 MISTRAL_7B = ModelShape(
     vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,

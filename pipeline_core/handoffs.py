@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from pipeline_core.artifacts import Manifest
 
 
+# Train-ready `labels` carry this wherever the loss must not look (prompt tokens, padding): the value
+# torch's cross-entropy ignores by default. One definition for the packer, the trainer and the report.
+IGNORE_INDEX = -100
+
+
 class _Handoff(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 

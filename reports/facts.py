@@ -18,11 +18,10 @@ import pyarrow.parquet as pq
 from pydantic import ValidationError
 
 from pipeline_core.artifacts import Manifest
-from pipeline_core.handoffs import TrainReadyInfo
+from pipeline_core.handoffs import IGNORE_INDEX, TrainReadyInfo
 
 SIM_COLUMNS = ("sim_question_answer", "sim_context_question", "sim_context_answer")
 NEAR_DUPLICATE = "near_duplicate"
-IGNORE_INDEX = -100
 NO_SPLIT = "unsplit"  # rejects without an id cannot be placed in a split
 # "near duplicate of <id> (similarity 0.9876)": the filter's detail text until rejects carry
 # `duplicate_of` and `score` fields of their own (both are read first when present)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-IGNORE_INDEX = -100
+from pipeline_core.handoffs import IGNORE_INDEX
 
 # Reject reasons of this step (the manifest counts them under these names).
 ANSWER_TOO_SHORT = "answer_too_short"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline_core import layout, uris
 from pipeline_core.config import Config, load_config
+from pipeline_core.handoffs import IGNORE_INDEX
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "sample_data" / "nemotron_v1"
@@ -52,7 +53,6 @@ def build_sample(store_uri: str, staging: Path, spark=None) -> SampleArtifacts:
 
 
 SEQ = 48
-IGNORE_INDEX = -100
 
 
 def packed_rows(n_rows: int, seed: int = 0):

@@ -22,8 +22,9 @@ import types
 import torch
 from torch import nn
 
+from pipeline_core.handoffs import IGNORE_INDEX
+
 TORCH_VARLEN_ATTENTION = "mft_torch_varlen"
-IGNORE_INDEX = -100
 
 
 # ----------------------------------------------------------------------------- varlen attention

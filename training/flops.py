@@ -66,6 +66,12 @@ class ModelShape:
         return self.num_parameters() - self.embedding_parameters()
 
 
+# Datasheet dense bf16 peak TFLOP/s per device, by device-name fragment: the MFU denominator (the
+# published convention), one table for the trainer's metrics and the benchmarks.
+PEAK_BF16_TFLOPS: dict[str, float] = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
+H200_PEAK_FLOPS = PEAK_BF16_TFLOPS["H200"] * 1e12
+
+
 def flops_per_token(shape: ModelShape, seq_len: int) -> float:
     """6 N + 12 L (heads x head_dim) s: plain causal rows, full attention credit."""
     return 6.0 * shape.non_embedding_parameters() + 12.0 * shape.num_layers * shape.attention_width * seq_len

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-IGNORE_INDEX = -100
+from pipeline_core.handoffs import IGNORE_INDEX
 
 SumLoss = Callable[[object, torch.Tensor], torch.Tensor]  # (stage outputs, targets) -> Σ CE
 

@@ -9,13 +9,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+from training.flops import PEAK_BF16_TFLOPS
+
 log = logging.getLogger(__name__)
 
 FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "target_tokens", "skipped")
 EVAL_FIELDS = ("step", "eval_loss", "eval_perplexity", "eval_micro_batches", "eval_target_tokens")
 
-# dense bf16 peak TFLOPS per device, by name fragment
-_KNOWN_PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0}
 
 
 def peak_tflops(configured: float | None) -> float | None:
@@ -26,7 +26,7 @@ def peak_tflops(configured: float | None) -> float | None:
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
-    return next((v for k, v in _KNOWN_PEAKS.items() if k in name), None)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
 
 
 class MetricsLog:

@@ -32,7 +32,7 @@ from transformers.models.mistral.modeling_mistral import (
     MistralRotaryEmbedding,
 )
 
-IGNORE_INDEX = -100
+from pipeline_core.handoffs import IGNORE_INDEX
 
 # config value -> transformers attention implementation name
 ATTENTION_BACKENDS: dict[str, str] = {

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-IGNORE_INDEX = -100
+from pipeline_core.handoffs import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
