@@ -232,6 +232,9 @@ class FilterSection(SparkStageSection):
     seed: int = Field(1234, description="Seed of the train/val split hash")
     pack_buffer_docs: int = Field(20_000, ge=1, le=10_000_000, description="Documents packed together (best-fit decreasing)")
     shard_tokens: int = Field(1 << 25, ge=1024, description="Target tokens per output parquet file")
+    render_sample_documents: int = Field(
+        1000, ge=1, le=100_000, description="Kept documents stored with their conversations (smallest keys) so the "
+        "trainer can check that the exported tokenizer's apply_chat_template reproduces them token for token")
 
     @model_validator(mode="after")
     def _lsh(self) -> FilterSection:
