@@ -45,40 +45,55 @@ def final_answer_start(labels: Sequence[int]) -> int | None:
     return start
 
 
+@dataclass(frozen=True)
+class Difference:
+    what: str  # "whole conversation" or the generation prompt
+    at: int  # first differing token
+    want: list[int]  # trained ids
+    got: list[int]  # apply_chat_template's
+
+
+def render(tok, messages, tools, generation: bool) -> list[int]:
+    out = tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
+                                  add_generation_prompt=generation)
+    return [int(i) for i in out["input_ids"]]
+
+
+def compare(tok, doc: SampleDocument) -> tuple[Difference | None, bool]:
+    """The first difference between a training document and `tok`'s rendering of its conversation
+    (None: identical), and whether the final answer's generation prompt was compared too."""
+    want = list(doc.input_ids)
+    got = render(tok, doc.messages, doc.tools, False)
+    if doc.truncated:
+        got = got[:len(want)]
+    at = first_difference(want, got)
+    if at is not None:
+        return Difference("whole conversation", at, want, got), False
+    start = final_answer_start(doc.labels)
+    if doc.truncated or start is None or doc.messages[-1].get("role") != "assistant":
+        return None, False
+    got = render(tok, doc.messages[:-1], doc.tools, True)
+    at = first_difference(want[:start], got)
+    if at is not None:
+        return Difference("prompt of the final answer (add_generation_prompt=True)", at, want[:start], got), True
+    return None, True
+
+
 def check_rendering(tokenizer_dir: Path, docs: Iterable[SampleDocument]) -> RenderCheck:
+    """Every document reproduced, or `RenderMismatch` at the first that is not."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-
-    def render(messages, tools, generation: bool) -> list[int]:
-        out = tok.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True,
-                                      add_generation_prompt=generation)
-        return [int(i) for i in out["input_ids"]]
-
-    def refuse(doc: SampleDocument, what: str, want: list[int], got: list[int], at: int) -> RenderMismatch:
-        show = tok.convert_ids_to_tokens
-        return RenderMismatch(
-            f"the exported tokenizer ({tokenizer_dir}) does not reproduce the training tokens: document "
-            f"{doc.id!r} ({doc.split}), {what}, first difference at token {at} of {len(want)}: trained "
-            f"{show(want[max(0, at - 2):at + 4])} but apply_chat_template gives {show(got[max(0, at - 2):at + 4])}; "
-            "the model is not published")
-
     n_docs = n_prompts = 0
     for doc in docs:
-        want = list(doc.input_ids)
-        got = render(doc.messages, doc.tools, False)
-        if doc.truncated:
-            got = got[:len(want)]
-        at = first_difference(want, got)
-        if at is not None:
-            raise refuse(doc, "whole conversation", want, got, at)
+        diff, prompt_checked = compare(tok, doc)
+        if diff is not None:
+            show, a = tok.convert_ids_to_tokens, diff.at
+            raise RenderMismatch(
+                f"the exported tokenizer ({tokenizer_dir}) does not reproduce the training tokens: document "
+                f"{doc.id!r} ({doc.split}), {diff.what}, first difference at token {a} of {len(diff.want)}: trained "
+                f"{show(diff.want[max(0, a - 2):a + 4])} but apply_chat_template gives "
+                f"{show(diff.got[max(0, a - 2):a + 4])}; the model is not published")
         n_docs += 1
-        start = final_answer_start(doc.labels)
-        if doc.truncated or start is None or doc.messages[-1].get("role") != "assistant":
-            continue
-        got = render(doc.messages[:-1], doc.tools, True)
-        at = first_difference(want[:start], got)
-        if at is not None:
-            raise refuse(doc, "prompt of the final answer (add_generation_prompt=True)", want[:start], got, at)
-        n_prompts += 1
+        n_prompts += prompt_checked
     return RenderCheck(n_docs, n_prompts)
