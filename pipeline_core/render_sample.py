@@ -40,7 +40,7 @@ def key_threshold(wanted: int, rows: int) -> int:
     `rows` (the smallest `wanted` kept keys are almost surely among them), or every key."""
     if rows <= 0 or 8 * wanted >= rows:
         return 2 ** 63
-    return int(-(2 ** 63) + (8 * wanted / rows) * 2 ** 64)
+    return -(2 ** 63) + (2 ** 64 * 8 * wanted) // rows
 
 
 def read_sample(artifact_root: Path) -> Iterator[SampleDocument]:
