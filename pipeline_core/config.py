@@ -277,6 +277,9 @@ class FilterSection(SparkStageSection):
     seed: int = content(1234, description="Seed of the train/val split hash", trigger=True)
     pack_buffer_docs: int = content(20_000, ge=1, le=10_000_000, description="Documents packed together (best-fit decreasing)", trigger=True)
     shard_tokens: int = content(1 << 25, ge=1024, description="Target tokens per output parquet file", trigger=True)
+    render_sample_documents: int = content(
+        1000, ge=1, le=100_000, description="Kept documents stored with their conversations (smallest keys) so the "
+        "trainer can check that the exported tokenizer's apply_chat_template reproduces them token for token")
 
     @model_validator(mode="after")
     def _lsh(self) -> FilterSection:

@@ -53,6 +53,8 @@ class TrainReadyInfo(_Handoff):
     packing_efficiency: float | None = None
     train_on: str | None = None
     prompt_context: str | None = None
+    render_sample_documents: int = Field(
+        0, ge=0, description="documents under data/render_sample/ with their conversations (pipeline_core.render_sample)")
 
     def to_extra(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline_core.handoffs import TokenizerSpec
+from pipeline_core.hf_tokenizer import MISTRAL_COMMON_FILES, mistral_common_file
 from spark_jobs.chat_templates import MISTRAL_V1_TEMPLATE, MISTRAL_V3_TEMPLATE
 from spark_jobs.conversation import (
     RENDER_FAILED,
@@ -54,10 +55,6 @@ from spark_jobs.conversation import (
     Turn,
 )
 
-MISTRAL_COMMON_FILES = {
-    "mistral-v1": "tokenizer.model.v1",
-    "mistral-v3": "mistral_instruct_tokenizer_240323.model.v3",
-}
 TrainOn = Literal["all_assistant_turns", "last_assistant_turn"]
 
 @dataclass(frozen=True)
@@ -91,6 +88,11 @@ class ChatTokenizer(ABC):
 
     @abstractmethod
     def chat_template(self) -> str | None: ...
+
+    def template_messages(self, conv: Conversation) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        """(messages, tools) whose `apply_chat_template` with `chat_template()` gives this renderer's ids:
+        what the filter keeps of sampled documents and the trainer renders at export."""
+        return conv.to_messages(), list(conv.tools) or None
 
     def spec_for_manifest(self) -> TokenizerSpec:
         return TokenizerSpec(name=self.spec, vocab_size=self.vocab_size, bos_id=self.bos_id, eos_id=self.eos_id,
@@ -127,13 +129,29 @@ def _v3_call_id(call: ToolCall, turn: int, k: int) -> str:
     return hashlib.sha256(f"{call.id}:{turn}:{k}".encode()).hexdigest()[:9]
 
 
+def _v3_turn_ids(conv: Conversation) -> list[tuple[str, ...]]:
+    """Per turn, the call ids v3 encodes: an assistant turn's calls' ids, a tool result's call id (the
+    k-th result after a calling turn answers its k-th call; '000000000' when no call is pending)."""
+    out: list[tuple[str, ...]] = []
+    pending: list[str] = []
+    for i, t in enumerate(conv.turns):
+        if t.role == "assistant" and t.tool_calls:
+            pending = [_v3_call_id(c, i, k) for k, c in enumerate(t.tool_calls)]
+            out.append(tuple(pending))
+        elif t.role == "tool":
+            out.append((pending.pop(0) if pending else "000000000",))
+        else:
+            out.append(())
+    return out
+
+
 class MistralCommonTokenizer(ChatTokenizer):
     def __init__(self, spec: str):
         import mistral_common
         from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
         self.spec = spec
-        self.path = Path(mistral_common.__file__).parent / "data" / MISTRAL_COMMON_FILES[spec]
+        self.path = mistral_common_file(spec)
         self._mt = MistralTokenizer.from_file(str(self.path))
         self._inst = self._mt.instruct_tokenizer
         self._tok = self._inst.tokenizer
@@ -156,23 +174,20 @@ class MistralCommonTokenizer(ChatTokenizer):
         if not self.native_tools:
             return InstructRequest(messages=self._v1_messages(conv), system_prompt=self._v1_system(conv))
         msgs: list[Any] = []
-        ids: list[str] = []
-        for i, t in enumerate(conv.turns):
+        for i, (t, cids) in enumerate(zip(conv.turns, _v3_turn_ids(conv), strict=True)):
             if t.role == "user":
                 msgs.append(UserMessage(content=t.content))
             elif t.role == "assistant" and t.tool_calls:
                 if t.content:
                     raise RenderError(TEMPLATE_UNSUPPORTED, f"{self.spec}: assistant turn {i} has both text and tool "
                                       "calls, which mistral-common v3 cannot encode in one turn")
-                ids = [_v3_call_id(c, i, k) for k, c in enumerate(t.tool_calls)]
                 msgs.append(AssistantMessage(tool_calls=[
                     MToolCall(id=cid, function=FunctionCall(name=c.name, arguments=c.arguments))
-                    for cid, c in zip(ids, t.tool_calls, strict=True)]))
+                    for cid, c in zip(cids, t.tool_calls, strict=True)]))
             elif t.role == "assistant":
                 msgs.append(AssistantMessage(content=t.content))
             else:
-                cid = ids.pop(0) if ids else "000000000"
-                msgs.append(ToolMessage(content=t.content, tool_call_id=cid, name=t.tool_name))
+                msgs.append(ToolMessage(content=t.content, tool_call_id=cids[0], name=t.tool_name))
         tools = []
         for s in conv.tools:
             f = s["function"]
@@ -274,6 +289,23 @@ class MistralCommonTokenizer(ChatTokenizer):
 
     def chat_template(self) -> str:
         return MISTRAL_V1_TEMPLATE if self.spec == "mistral-v1" else MISTRAL_V3_TEMPLATE
+
+    def template_messages(self, conv: Conversation) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+        messages, tools = super().template_messages(conv)
+        if not self.native_tools:
+            return messages, tools
+        # v3 encodes the call ids it assigned (`_v3_turn_ids`): the template must see the same ones
+        turns = iter(zip(conv.turns, _v3_turn_ids(conv), strict=True))
+        out = []
+        for m in messages:
+            if m["role"] != "system":
+                t, cids = next(turns)
+                if t.tool_calls:
+                    m = {**m, "tool_calls": [{**c, "id": cid} for c, cid in zip(m["tool_calls"], cids, strict=True)]}
+                elif t.role == "tool":
+                    m = {**m, "tool_call_id": cids[0]}
+            out.append(m)
+        return out, tools
 
     def identity(self) -> dict[str, Any]:
         return {"kind": "mistral-common", "file": self.path.name, "sha256": _sha256(self.path),

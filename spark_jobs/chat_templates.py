@@ -5,10 +5,10 @@ model carries it in `tokenizer_config.json`, so `apply_chat_template`, vLLM and 
 the way training did. Tokenized by an HF tokenizer of the same SentencePiece vocabulary (control
 tokens as special tokens), `apply_chat_template` gives mistral-common's ids token for token
 (tests/test_chat_templates.py checks it against `encode_chat_completion` and against the
-renderer). Two limits, both of the HF tokenizer rather than the template: a text that starts with
-white space or holds runs of spaces can tokenize differently (HF's Metaspace does not add
-SentencePiece's dummy prefix to a text that starts with a space, and its BPE merges runs of `▁`
-in another order), and JSON given as text (tool arguments, tool results) is emitted as written,
+renderer). The HF tokenizer must be the exported one (`pipeline_core.hf_tokenizer`: merges ranked by
+SentencePiece's scores); transformers' plain conversion merges runs of `▁` in another order and
+serves indented code in tokens the model never saw (issue 27; the trainer's render check refuses it).
+One limit of the template: JSON given as text (tool arguments, tool results) is emitted as written,
 where mistral-common re-serialises it with `json.dumps`: the ids agree when the text is what
 `json.dumps` writes (what tool runtimes send) or when it is given as an object.
 

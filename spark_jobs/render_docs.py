@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 
 from pipeline_core.config import FilterSection
+from pipeline_core.render_sample import chat_json
 from spark_jobs.chat_format import ChatTokenizer, load_tokenizer
 from spark_jobs.conversation import RenderError, build_conversation
 from spark_jobs.filter_rows import conversation_options
@@ -27,7 +28,7 @@ from spark_jobs.packing import LengthLimits, make_document
 
 DOC_SCHEMA = (
     "id string, key long, split string, input_ids array<int>, labels array<int>, n_prompt int, n_answer int, "
-    "truncated boolean, reason string, raw string"
+    "truncated boolean, reason string, raw string, chat string"
 )
 RENDER_COLUMNS = ("id", "category", "key", "split", "reason", "raw", "messages_json", "metadata", "reasoning",
                   "context_sentences", "context_turns", "context_question_scores")
@@ -57,7 +58,10 @@ def _raw(rec, detail: str) -> str:
                       ensure_ascii=False)
 
 
-def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection) -> Iterator[pd.DataFrame]:
+def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
+                      sample_below: int | None = None) -> Iterator[pd.DataFrame]:
+    """`chat` (`render_sample.chat_json` of the template messages) is kept for the documents whose key
+    is below `sample_below` (`render_sample.key_threshold`; None: none), the render sample's candidates."""
     tok = load_tokenizer(fcfg.tokenizer)
     opts = conversation_options(fcfg)
     limits = LengthLimits(fcfg.seq_len, fcfg.max_tokens, fcfg.min_answer_tokens, fcfg.overflow)
@@ -67,7 +71,7 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection) -> I
     for pdf in batches:
         out: dict[str, list[Any]] = {k: [] for k in names}
         for rec in pdf.itertuples(index=False):
-            reason, raw, doc = rec.reason, rec.raw, None
+            reason, raw, doc, chat = rec.reason, rec.raw, None, None
             if reason is None:
                 try:
                     messages = json.loads(rec.messages_json)
@@ -78,6 +82,8 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection) -> I
                     conv = build_conversation(messages, rec.metadata, rec.reasoning, opts)
                     rendered = tok.render(conv, fcfg.train_on)
                     got = make_document(rendered.input_ids, rendered.targets, limits, tok.eos_id)
+                    if sample_below is not None and int(rec.key) < sample_below:
+                        chat = chat_json(*tok.template_messages(conv))
                 except RenderError as e:
                     got = (e.reason, e.detail)
                 if isinstance(got, tuple):
@@ -94,4 +100,5 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection) -> I
             out["truncated"].append(doc.truncated if doc else None)
             out["reason"].append(reason)
             out["raw"].append(raw)
+            out["chat"].append(chat if doc else None)
         yield pd.DataFrame(out)

@@ -11,7 +11,9 @@ and, in Spark, through the shared stage lifecycle (`common.run_stage`):
      validation capped at `val_max_documents`;
   4. rendering (render_docs.py, chat_format.py): the whole conversation in the base model's chat
      template, loss on the assistant turns, then the token-length limits (packing.py);
-  5. packing (packing.py): each split into `seq_len` rows (best-fit decreasing), as Parquet.
+  5. packing (packing.py): each split into `seq_len` rows (best-fit decreasing), as Parquet;
+  6. render sample (pipeline_core/render_sample.py): up to `render_sample_documents` kept documents
+     with the conversations they were rendered from, for the trainer's export check.
 Every dropped record goes to `rejects/` with its reason; the manifest counts in = out + rejected
 by reason, and its `extra` is a `pipeline_core.handoffs.TrainReadyInfo` (tokenizer spec with the
 chat template, tokens / target tokens / documents / sequences per split, packing efficiency).
@@ -39,6 +41,7 @@ from pipeline_core.artifacts import (
 )
 from pipeline_core.config import Config, load_config
 from pipeline_core.handoffs import TrainReadyInfo
+from pipeline_core.render_sample import SAMPLE_DIR, SAMPLE_SCHEMA, key_threshold
 from spark_jobs.common import (
     StageContext,
     StageOutput,
@@ -141,7 +144,8 @@ def _compute(ctx: StageContext, input_uri: str, in_manifest: Manifest, cfg: Conf
             opt("context_turns", "array<int>").alias("context_turns"),
             opt("context_question_scores", "array<double>").alias("context_question_scores"),
         )
-        write_parquet(render_in.mapInPandas(lambda it: render_partitions(it, fcfg), DOC_SCHEMA), docs_uri)
+        sample_below = key_threshold(fcfg.render_sample_documents, n_in)
+        write_parquet(render_in.mapInPandas(lambda it: render_partitions(it, fcfg, sample_below), DOC_SCHEMA), docs_uri)
         info["rows"] = n_in
 
     try:
@@ -196,6 +200,12 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
             "truncated": int(row["truncated"] or 0) if row else 0,
             "slots": slots, "packing_efficiency": round(doc_tokens / slots, 4) if slots else None,
         }
+    with timer.step("render sample") as info:
+        sample = (docs.filter(F.col("reason").isNull() & F.col("chat").isNotNull()).orderBy("key")
+                  .limit(fcfg.render_sample_documents).selectExpr(*[c.split(" ")[0] for c in SAMPLE_SCHEMA.split(", ")])
+                  .coalesce(1))
+        n_sample = parquet_rows(write_parquet(sample, uris.qualify(staging / SAMPLE_DIR)))
+        info["rows"] = n_sample
     total_slots = sum(s["slots"] for s in splits.values())
     info = TrainReadyInfo(
         seq_len=seq_len,
@@ -207,6 +217,7 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
         packing_efficiency=round(sum(s["doc_tokens"] for s in splits.values()) / total_slots, 4) if total_slots else None,
         train_on=fcfg.train_on,
         prompt_context=fcfg.prompt_context,
+        render_sample_documents=n_sample,
     )
     extra = {
         **info.to_extra(),

@@ -189,6 +189,39 @@ def test_sample_conversations_are_packed_as_mistral_common_encodes_them(sample):
     assert '[TOOL_CALLS] [{"name": "get_weather"' in text and "[AVAILABLE_TOOLS]" in text
 
 
+def test_sample_every_kept_conversation_is_reproduced_by_the_exported_tokenizer(sample, tmp_path):
+    """Issue 27: the render sample holds every kept document (fewer than render_sample_documents); the
+    exported tokenizer's apply_chat_template gives each token for token, and its final answer's
+    prompt; transformers' conversion (what the export copied before) does not (the code chat)."""
+    import shutil
+
+    from transformers import LlamaTokenizer
+
+    from pipeline_core.handoffs import TrainReadyInfo
+    from pipeline_core.hf_tokenizer import mistral_common_file
+    from pipeline_core.render_sample import read_sample
+    from training.export_tokenizer import export_tokenizer, set_chat_template
+    from training.render_check import RenderMismatch, check_rendering
+
+    docs = list(read_sample(sample.root / "fetched"))
+    kept = {r["id"] for r in pq.read_table(sample.root / "enriched-local" / "data").to_pylist()} - set(sample.rejects)
+    assert sorted(d.id for d in docs) == sorted(kept) and sample.filter.counts["out"] == len(docs)
+    spec = TrainReadyInfo.from_manifest(sample.filter).tokenizer
+    out = tmp_path / "export"
+    out.mkdir()
+    export_tokenizer(out, tmp_path, spec)
+    check = check_rendering(out, docs)
+    assert check.documents == len(docs) and check.generation_prompts == sum(not d.truncated for d in docs)
+    (tmp_path / "src").mkdir()
+    shutil.copy(mistral_common_file(spec.name), tmp_path / "src" / "tokenizer.model")
+    LlamaTokenizer.from_pretrained(str(tmp_path / "src")).save_pretrained(str(tmp_path / "converted"))
+    set_chat_template(tmp_path / "converted", spec.chat_template)
+    code_chat = next(r["uuid"] for r in sample.records if json.loads(r["metadata"])["sample"]["kind"] == "code_chat")
+    with pytest.raises(RenderMismatch, match=f"document '{code_chat}'"):
+        check_rendering(tmp_path / "converted", [d for d in docs if d.id == code_chat])
+    assert check_rendering(tmp_path / "converted", [d for d in docs if d.id != code_chat]).documents == len(docs) - 1
+
+
 def test_sample_multi_answer_prompts_share_a_split(sample):
     tok = load_tokenizer("mistral-v1")
     sides = {s: {_question(tok, d) for d in ds} for s, ds in documents(sample.root / "fetched").items()}

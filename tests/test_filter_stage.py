@@ -41,7 +41,7 @@ def filtered(spark, tmp_path_factory):
     from spark_jobs.similarity_filter import run
 
     root = tmp_path_factory.mktemp("filter")
-    cfg = make_cfg(root)
+    cfg = make_cfg(root, render_sample_documents=5)  # fewer than the kept documents: the cap is exercised
     table = crafted_table()
     in_uri = uris.join(cfg.pipeline.store_uri, "datasets", "t", "enriched", "e1")
     publish_enriched(table, root / "enriched", in_uri)
@@ -177,6 +177,32 @@ def test_manifest_is_a_train_ready_info_with_tokens_and_efficiency(filtered):
     assert info.packing_efficiency == round(non_pad / slots, 4)
     assert info.packing_efficiency > 0.7
     assert sum(info.documents.values()) == m.counts["out"]
+
+
+def test_render_sample_is_packed_documents_with_their_conversations(filtered, tmp_path):
+    """data/render_sample: `render_sample_documents` kept documents, each exactly a packed document, with
+    the messages whose apply_chat_template (exported tokenizer) gives it: what the trainer checks at export."""
+    from pipeline_core.handoffs import TrainReadyInfo
+    from pipeline_core.render_sample import read_sample
+    from training.export_tokenizer import export_tokenizer
+    from training.render_check import check_rendering
+
+    info = TrainReadyInfo.from_manifest(filtered.manifest)
+    docs = list(read_sample(filtered.local))
+    assert info.render_sample_documents == len(docs) == 5 < len(kept_ids(filtered))
+    assert len({d.id for d in docs}) == 5 and {d.id for d in docs} <= kept_ids(filtered)
+    packed = {}
+    for split in ("train", "val"):
+        for row in read_rows(filtered.local, split):
+            for a, b in split_documents(np.array(row["position_ids"])):
+                packed[(tuple(row["input_ids"][a:b]), tuple(row["labels"][a:b]))] = split
+    assert all(packed[(tuple(d.input_ids), tuple(d.labels))] == d.split for d in docs)
+    assert all(d.messages[-1]["role"] == "assistant" for d in docs)  # up to the final answer
+    out = tmp_path / "tok"
+    out.mkdir()
+    export_tokenizer(out, tmp_path, info.tokenizer)
+    check = check_rendering(out, docs)
+    assert check.documents == 5 and check.generation_prompts == sum(not d.truncated for d in docs)
 
 
 def test_rerun_is_a_noop_and_other_config_conflicts(filtered, spark):

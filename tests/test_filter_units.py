@@ -194,3 +194,39 @@ def test_render_partitions_trains_on_the_reasoning_trace_only_when_configured():
         system = "Some context.\n\n/think" if on else "Some context."
         assert tok.decode(a["input_ids"]).startswith(f"[INST] {system}\n\nWhy is the sky blue? [/INST]")
         assert a["reason"] is None and b["reason"] == "near_duplicate" and b["input_ids"] is None and b["raw"] == raw
+
+
+def test_render_partitions_keeps_the_conversation_of_sample_candidates_only():
+    """`chat` (the template messages of the render sample) for kept rows with a key under the threshold;
+    the threshold admits ~8x the wanted sample, or every key when that is most of the rows."""
+    import json
+
+    import pandas as pd
+
+    from pipeline_core.config import FilterSection
+    from pipeline_core.render_sample import key_threshold
+    from spark_jobs.render_docs import render_partitions
+
+    tok = load_tokenizer("mistral-v3")
+    calls = [{"role": "user", "content": "Weather in Oslo?"},
+             {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
+                 "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+             {"role": "tool", "content": '{"t": 3}'}, {"role": "assistant", "content": "3 degrees."}]
+    n = 4
+    pdf = pd.DataFrame({"id": list("abcd"), "category": ["tool"] * n, "key": [-5, 7, -(2 ** 62), 2 ** 62],
+                        "split": ["train"] * n, "reason": [None, None, "near_duplicate", None], "raw": [None] * n,
+                        "messages_json": [json.dumps(calls)] * n, "metadata": [None] * n, "reasoning": ["off"] * n,
+                        "context_sentences": [None] * n, "context_turns": [None] * n,
+                        "context_question_scores": [None] * n})
+    fcfg = FilterSection(tokenizer="mistral-v3", seq_len=256, max_tokens=256)
+    (none,) = render_partitions(iter([pdf]), fcfg)
+    assert none["chat"].isna().all()
+    (out,) = render_partitions(iter([pdf]), fcfg, sample_below=0)
+    assert [c is not None for c in out["chat"]] == [True, False, False, False]  # key < 0, and kept
+    chat = json.loads(out["chat"][0])
+    # v3 encodes a call id of 9 alphanumerics: the messages carry the one it encoded, on the call and its result
+    cid = chat["messages"][1]["tool_calls"][0]["id"]
+    assert len(cid) == 9 and cid.isalnum() and chat["messages"][2]["tool_call_id"] == cid
+    assert f'"call_id": "{cid}"' in tok.decode(out["input_ids"][0])
+    assert key_threshold(10, 80) == key_threshold(10, 0) == 2 ** 63
+    assert key_threshold(10, 8000) == -(2 ** 63) + 2 ** 64 // 100

@@ -101,6 +101,9 @@ def test_reference_run_learns_exports_and_reports(setup, reference):
     # model and on the exported one after training
     assert summary["parity_base_max_abs_diff"] <= 1e-5
     assert summary["parity_export_max_abs_diff"] <= 1e-5
+    # the exported tokenizer reproduced every training document of the bundled sample (render sample)
+    # and the prompts of their final answers before anything was published (training.render_check)
+    assert summary["render_check_documents"] > 200 and summary["render_check_generation_prompts"] > 200
     assert summary["eval_loss"] < losses[1] and summary["eval_perplexity"] > 1
     assert (tmp / "ref-report" / "data" / "loss_curve.png").stat().st_size > 1000
     # periodic validation (train.eval_every=6) and the final one, token-weighted, in eval.csv
@@ -124,7 +127,7 @@ def test_reference_run_learns_exports_and_reports(setup, reference):
     model = AutoModelForCausalLM.from_pretrained(str(tmp / "model" / "data"))
     tok = AutoTokenizer.from_pretrained(str(tmp / "model" / "data"))
     ids = tok("The cat is", return_tensors="pt").input_ids
-    assert ids[0, 0].item() == 1 and len(tok) == 32000
+    assert ids[0, 0].item() == 1 and len(tok) == 32000 and tok.pad_token_id == 0
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
 

@@ -147,7 +147,7 @@ def test_data_tokenized_for_another_vocabulary_is_refused_naming_both(tiny, tmp_
 def test_the_export_carries_the_training_chat_template(tiny, tmp_path):
     from transformers import AutoTokenizer
 
-    from training.weights import copy_tokenizer, set_chat_template
+    from training.export_tokenizer import copy_tokenizer, set_chat_template
 
     _, _, model = tiny
     out = tmp_path / "export"

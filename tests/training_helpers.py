@@ -31,6 +31,19 @@ def write_rows(path: Path, rows: list[dict[str, list[int]]]) -> None:
 def tokenized_corpus(n_docs: int, seq_len: int, seed: int = 0) -> list:
     """Short question/answer conversations with learnable structure, rendered by the filter stage's
     own renderer (mistral-common v1) and length limits: a list of `Document`s."""
+    return [doc for _, doc in conversation_corpus(n_docs, seq_len, seed)]
+
+
+def sample_document(tok, conv, doc, doc_id: str, split: str):
+    """The render-sample entry the filter keeps for a document (pipeline_core.render_sample)."""
+    from pipeline_core.render_sample import SampleDocument
+
+    messages, tools = tok.template_messages(conv)
+    return SampleDocument(doc_id, split, messages, tools, doc.input_ids.tolist(), doc.labels.tolist(), doc.truncated)
+
+
+def conversation_corpus(n_docs: int, seq_len: int, seed: int = 0) -> list:
+    """`tokenized_corpus` with each document's conversation: (Conversation, Document) pairs."""
     from spark_jobs.chat_format import load_tokenizer
     from spark_jobs.conversation import Conversation, Turn
     from spark_jobs.packing import LengthLimits, make_document
@@ -46,7 +59,7 @@ def tokenized_corpus(n_docs: int, seq_len: int, seed: int = 0) -> list:
         conv = Conversation(None, (Turn("user", f"What colour is the {a}?"),
                                    Turn("assistant", f"The {a} is {c}. The {c} {a} sleeps.")))
         r = tok.render(conv)
-        docs.append(make_document(r.input_ids, r.targets, limits, tok.eos_id))
+        docs.append((conv, make_document(r.input_ids, r.targets, limits, tok.eos_id)))
     return docs
 
 
@@ -55,28 +68,33 @@ def build_train_ready(root_uri: str, local_dir: Path, *, seq_len: int, n_train_d
     """Write data/train/*.parquet + data/val/*.parquet and publish them as a train-ready artifact."""
     from pipeline_core import uris
     from pipeline_core.artifacts import publish_artifact
+    from pipeline_core.render_sample import write_sample
     from spark_jobs.chat_format import load_tokenizer
 
     tok = load_tokenizer("mistral-v1")
-    docs = tokenized_corpus(n_train_docs + n_val_docs, seq_len)
+    pairs = conversation_corpus(n_train_docs + n_val_docs, seq_len)
+    docs = [d for _, d in pairs]
     train = pack_documents(docs[:n_train_docs], seq_len, tok.pad_id)
     val = pack_documents(docs[n_train_docs:], seq_len, tok.pad_id)
     per = -(-len(train) // files)
     for i in range(files):
         write_rows(local_dir / "data" / "train" / f"part-{i:05d}.parquet", train[i * per:(i + 1) * per])
     write_rows(local_dir / "data" / "val" / "part-00000.parquet", val)
+    sample = [sample_document(tok, c, d, f"doc-{i}", "train" if i < n_train_docs else "val")
+              for i, (c, d) in enumerate(pairs)]
+    write_sample(local_dir, sample)
     uri = uris.join(root_uri, "datasets", "test", "train", "cfg0")
     publish_artifact(local_dir, uri, kind="train-ready", counts={"in": len(train) + len(val),
-                     "out": len(train) + len(val)}, extra=_info(tok, seq_len),
+                     "out": len(train) + len(val)}, extra=_info(tok, seq_len, len(sample)),
                      storage=storage)
     return uri
 
 
-def _info(tok, seq_len: int) -> dict:
+def _info(tok, seq_len: int, sample_documents: int = 0) -> dict:
     from pipeline_core.handoffs import TrainReadyInfo
 
     return TrainReadyInfo(seq_len=seq_len, tokenizer=tok.spec_for_manifest(), train_on="all_assistant_turns",
-                          prompt_context="conversation").to_extra()
+                          prompt_context="conversation", render_sample_documents=sample_documents).to_extra()
 
 
 def sample_train_ready(root_uri: str, local_dir: Path, *, seq_len: int, storage=None, val_every: int = 10) -> str:
@@ -91,6 +109,7 @@ def sample_train_ready(root_uri: str, local_dir: Path, *, seq_len: int, storage=
     from pipeline_core import uris
     from pipeline_core.artifacts import publish_artifact
     from pipeline_core.config import PROJECT_ROOT, EnrichSection
+    from pipeline_core.render_sample import write_sample
     from spark_jobs.chat_format import load_tokenizer
     from spark_jobs.conversation import ConversationOptions, RenderError, build_conversation
     from spark_jobs.enrich import normalise_raw
@@ -99,6 +118,7 @@ def sample_train_ready(root_uri: str, local_dir: Path, *, seq_len: int, storage=
     tok = load_tokenizer("mistral-v1")
     limits = LengthLimits(seq_len=seq_len, max_tokens=1 << 20, min_answer_tokens=1, overflow="truncate")
     docs: dict[str, list] = {"train": [], "val": []}
+    sample = []
     n = 0
     for f in sorted(glob.glob(str(PROJECT_ROOT / "sample_data" / "nemotron_v1" / "data" / "*.parquet"))):
         for rec in pq.read_table(f).to_pylist():
@@ -106,19 +126,23 @@ def sample_train_ready(root_uri: str, local_dir: Path, *, seq_len: int, storage=
             if normalise_raw(rec["uuid"], msgs, None, EnrichSection())["reason"] is not None:
                 continue
             try:
-                r = tok.render(build_conversation(rec["messages"], rec["metadata"], rec["reasoning"], ConversationOptions()))
+                conv = build_conversation(rec["messages"], rec["metadata"], rec["reasoning"], ConversationOptions())
+                r = tok.render(conv)
             except RenderError:
                 continue
             doc = make_document(r.input_ids, r.targets, limits, tok.eos_id)
             if isinstance(doc, Document):
-                docs["val" if n % val_every == 0 else "train"].append(doc)
+                split = "val" if n % val_every == 0 else "train"
+                docs[split].append(doc)
+                sample.append(sample_document(tok, conv, doc, rec["uuid"], split))
                 n += 1
     for split, items in docs.items():
         write_rows(local_dir / "data" / split / "part-00000.parquet", pack_documents(items, seq_len, tok.pad_id))
+    write_sample(local_dir, sample)  # every document: the trainer's export check renders them all
     uri = uris.join(root_uri, "datasets", "sample", "train", f"seq{seq_len}")
     total = sum(len(v) for v in docs.values())
     publish_artifact(local_dir, uri, kind="train-ready", counts={"in": total, "out": total},
-                     extra=_info(tok, seq_len), storage=storage)
+                     extra=_info(tok, seq_len, len(sample)), storage=storage)
     return uri
 
 

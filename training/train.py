@@ -623,6 +623,7 @@ class Trainer:
         plan, t, role = self.plan, self.t, self.role
         summary = state.summary
         export_dir = self._export()
+        summary.update(self._check_render(export_dir / "data"))
         if t.verify_parity:
             diff = gather_value(logits_vs_hf(self.engine, self.probe, export_dir / "data", self.dtype))
             summary["parity_export_max_abs_diff"] = diff
@@ -663,6 +664,32 @@ class Trainer:
                           dp_rank=0, dp_size=1, seed=0, shuffle=False, device=self.role.device)
         (ids, pos), targets = next(it)
         return {"input_ids": ids, "position_ids": pos, "targets": targets}
+
+    def _check_render(self, model_dir: Path) -> dict[str, int]:
+        """Rank 0 renders the input's render sample with the exported tokenizer (training.render_check);
+        a mismatch fails every rank before anything is published."""
+        from training.render_check import RenderMismatch
+
+        result: tuple[str, Any] = ("ok", {})
+        if self.role.is_rank0:
+            from pipeline_core.render_sample import read_sample
+            from training.render_check import check_rendering
+
+            try:
+                check = check_rendering(model_dir, read_sample(self.plan.staging / "input"))
+                result = ("ok", check.as_summary())
+                if check.documents:
+                    log.info("render check: the exported tokenizer reproduces %d training documents and %d "
+                             "generation prompts token for token", check.documents, check.generation_prompts)
+                else:
+                    log.warning("render check skipped: the input artifact has no render sample (filtered before "
+                                "data/render_sample existed); the exported tokenizer is not checked against it")
+            except RenderMismatch as e:
+                result = ("mismatch", str(e))
+        status, value = broadcast(result)
+        if status != "ok":
+            raise RenderMismatch(value)
+        return value
 
     def _check_parity(self, diff: float, what: str) -> None:
         if diff > self.t.parity_tolerance:
@@ -716,9 +743,8 @@ class Trainer:
                                     self.dtype)
         parts = gather_all(part)
         if self.role.is_rank0:
-            chat_template = self.plan.tokenizer.chat_template if self.plan.tokenizer else None
             finish_export(data, [p for p in parts if p], self.model_dir, self.plan.base_config, self.dtype,
-                          chat_template=chat_template)
+                          tokenizer=self.plan.tokenizer)
         dist.barrier()
         return out
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,6 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, MistralConfig
 
+from pipeline_core.handoffs import TokenizerSpec
+from training.export_tokenizer import export_tokenizer
 from training.model import hf_named_tensors
 
 log = logging.getLogger(__name__)
@@ -94,10 +95,10 @@ def save_stage_shard(modules, out_dir: Path, stage_id: int, num_stages: int, dty
 
 
 def finish_export(out_dir: Path, weight_maps: list[dict[str, str]], base_dir: Path, config: MistralConfig,
-                  dtype: torch.dtype, chat_template: str | None = None) -> None:
+                  dtype: torch.dtype, tokenizer: TokenizerSpec | None = None) -> None:
     """Index + config + generation config + tokenizer next to the shards (one rank calls this).
-    ``chat_template``: the template the training data was rendered with (from the train-ready
-    manifest), so ``apply_chat_template``, vLLM and TGI reproduce the training format."""
+    ``tokenizer``: what the training data was rendered with (from the train-ready manifest): the
+    export's tokenizer, chat template and pad token reproduce it (``training.export_tokenizer``)."""
     merged: dict[str, str] = {}
     for part in weight_maps:
         merged.update(part)
@@ -112,6 +113,8 @@ def finish_export(out_dir: Path, weight_maps: list[dict[str, str]], base_dir: Pa
     export_cfg = MistralConfig.from_dict(config.to_dict())
     export_cfg.torch_dtype = dtype
     export_cfg.architectures = ["MistralForCausalLM"]
+    if tokenizer is not None and tokenizer.pad_id is not None:
+        export_cfg.pad_token_id = tokenizer.pad_id
     export_cfg.save_pretrained(str(out_dir))
 
     from transformers import GenerationConfig
@@ -120,10 +123,10 @@ def finish_export(out_dir: Path, weight_maps: list[dict[str, str]], base_dir: Pa
         gen = GenerationConfig.from_pretrained(str(base_dir))
     except OSError:
         gen = GenerationConfig.from_model_config(export_cfg)
+    if export_cfg.pad_token_id is not None:
+        gen.pad_token_id = export_cfg.pad_token_id
     gen.save_pretrained(str(out_dir))
-    copy_tokenizer(base_dir, out_dir)
-    if chat_template is not None:
-        set_chat_template(out_dir, chat_template)
+    export_tokenizer(out_dir, base_dir, tokenizer)
 
 
 def _numel(shape) -> int:
@@ -131,28 +134,3 @@ def _numel(shape) -> int:
     for s in shape:
         n *= int(s)
     return n
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                    "chat_template.jinja", "chat_template.json")
-
-
-def copy_tokenizer(base_dir: Path, out_dir: Path) -> None:
-    """The base model's tokenizer files, verbatim (a missing tokenizer is an error: the export must
-    be usable on its own)."""
-    copied = [n for n in _TOKENIZER_FILES if (base_dir / n).exists()]
-    if not copied:
-        raise FileNotFoundError(f"no tokenizer files in base model {base_dir}")
-    for name in copied:
-        shutil.copy2(base_dir / name, out_dir / name)
-
-
-def set_chat_template(out_dir: Path, chat_template: str) -> None:
-    """tokenizer_config.json's ``chat_template`` and chat_template.jinja (which transformers
-    prefers when present) both become the training template."""
-    cfg_path = out_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-    cfg["chat_template"] = chat_template
-    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
-    (out_dir / "chat_template.jinja").write_text(chat_template)
-    (out_dir / "chat_template.json").unlink(missing_ok=True)
