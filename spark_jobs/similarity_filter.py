@@ -40,7 +40,7 @@ from pipeline_core.artifacts import (
     sha256_file,
 )
 from pipeline_core.config import Config, load_config
-from pipeline_core.handoffs import TrainReadyInfo
+from pipeline_core.handoffs import IGNORE_INDEX, TrainReadyInfo
 from pipeline_core.render_sample import SAMPLE_DIR, SAMPLE_SCHEMA, key_threshold
 from spark_jobs.common import (
     StageContext,
@@ -55,7 +55,7 @@ from spark_jobs.common import (
     setup_logging,
     write_parquet,
 )
-from spark_jobs.packing import IGNORE_INDEX, ROW_SCHEMA, pack_partitions
+from spark_jobs.packing import ROW_SCHEMA, pack_partitions
 from spark_jobs.partitioning import FILTER_ROWS_PER_PARTITION, stage_partitions
 from spark_jobs.render_docs import DOC_SCHEMA, render_partitions
 from spark_jobs.split import SPLIT_RULE, SPLITS

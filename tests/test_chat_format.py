@@ -7,10 +7,11 @@ import json
 
 import pytest
 
+from pipeline_core.handoffs import IGNORE_INDEX
 from spark_jobs.chat_format import MISTRAL_V1_TEMPLATE, load_tokenizer
 from spark_jobs.conversation import ConversationOptions, RenderError, build_conversation
 from spark_jobs.normalize import Rejected, normalise, split_reasoning
-from spark_jobs.packing import IGNORE_INDEX, LengthLimits, make_document
+from spark_jobs.packing import LengthLimits, make_document
 from spark_jobs.sentences import split_units
 
 

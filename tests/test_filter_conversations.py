@@ -16,10 +16,10 @@ import pytest
 from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact
 from pipeline_core.config import load_config
-from pipeline_core.handoffs import TrainReadyInfo
+from pipeline_core.handoffs import IGNORE_INDEX, TrainReadyInfo
 from spark_jobs.chat_format import load_tokenizer
 from spark_jobs.conversation import ConversationOptions, build_conversation
-from spark_jobs.packing import IGNORE_INDEX, split_documents
+from spark_jobs.packing import split_documents
 from tests.filter_helpers import Rec, enriched_table, publish_enriched
 
 REPO = Path(__file__).resolve().parents[1]

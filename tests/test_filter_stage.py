@@ -14,9 +14,10 @@ import pytest
 from pipeline_core import uris
 from pipeline_core.artifacts import ArtifactConflict, fetch_artifact
 from pipeline_core.config import ConfigError, FilterSection, load_config
+from pipeline_core.handoffs import IGNORE_INDEX
 from spark_jobs.chat_format import load_tokenizer
 from spark_jobs.conversation import ConversationOptions, build_conversation, prompt_text, sha256_hex
-from spark_jobs.packing import IGNORE_INDEX, split_documents
+from spark_jobs.packing import split_documents
 from spark_jobs.split import split_column, split_of
 from tests.filter_helpers import (
     EXACT,

@@ -15,10 +15,11 @@ import pytest
 from pipeline_core import uris
 from pipeline_core.artifacts import CorruptArtifact, publish_artifact, read_latest
 from pipeline_core.config import ReleaseSection
+from pipeline_core.handoffs import IGNORE_INDEX
 from pipeline_core.pointers import advance, order_key_from_date, read_pointer
 from tests.report_helpers import packed_rows, tiny_models, val_artifact
 from training.promote import decide, promote
-from training.val_loss import IGNORE_INDEX, val_loss
+from training.val_loss import val_loss
 
 DAY = datetime(2026, 1, 1, 2, tzinfo=UTC)
 

@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
+from pipeline_core.handoffs import IGNORE_INDEX
 from tests.training_helpers import write_rows
 from training.data import COLUMNS, DataError, MicroBatches, ShardSet, columns_for
-from training.model import IGNORE_INDEX
 
 SEQ = 8
 

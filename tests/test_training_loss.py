@@ -20,8 +20,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pipeline_core.handoffs import IGNORE_INDEX
 from tests.training_helpers import make_tiny_model
-from training.model import IGNORE_INDEX, shift_targets
+from training.model import shift_targets
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 128
