@@ -16,7 +16,7 @@ import pytest
 from pipeline_core import layout, uris
 from pipeline_core.artifacts import publish_artifact, read_latest, read_manifest
 from pipeline_core.config import StorageSection, load_config
-from pipeline_core.store import open_store
+from pipeline_core.store import open_store, sha256_file
 from tests.conftest import checkpoint_run
 from tests.fault_proxy import FaultProxy
 from training import checkpoints as ckpt
@@ -235,6 +235,52 @@ def test_a_tampered_deepspeed_file_with_a_rewritten_manifest_is_refused(run, tmp
     assert _keys(run) == before, "refused before anything was fetched, moved or deleted"
     with pytest.raises(ckpt.CheckpointUntrusted, match="does not verify"):  # same with the real key elsewhere
         ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "r2", key=b"another-key-0123456789")
+
+
+def test_a_swapped_model_states_file_with_rewritten_hashes_and_payload_is_never_unpickled(run, tmp_path,
+                                                                                        monkeypatch):
+    """Issue 26 item 1: the attacker (write access to the bucket, no key) copies the committed
+    payload to a prefix of its own, swaps `mp_rank_00_model_states.pt` for a pickle that runs code
+    when DeepSpeed's `torch.load(weights_only=False)` reads it, rewrites that file's sha256 and size
+    and the manifest's `payload`, and leaves the signed `content_sha256` and the signature as they
+    were. The resume path (what Trainer.resume runs, then DeepSpeed's loader on what it returned)
+    must refuse it before any of its bytes are unpickled."""
+    import json
+
+    import torch
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("EVIL_MARKER", str(marker))
+    uri = _push(run, 2)
+    m = read_manifest(uri, run["storage"])
+    store, key = open_store(uri, run["storage"])
+    evil = tmp_path / "evil.pt"
+    torch.save({"module": _Evil()}, evil)
+    target = "data/mp_rank_00_model_states.pt"
+    body = json.loads(m.to_json())
+    body["payload"] = "_attempts/evil-copy"
+    for f in body["files"]:
+        src = f"{key}/{m.object_path(f['path'])}"
+        dst = f"{key}/_attempts/evil-copy/{f['path']}"
+        if f["path"] == target:
+            store.put_file(dst, evil)
+            f["size"], f["sha256"] = evil.stat().st_size, sha256_file(evil)
+        else:
+            store.copy(src, dst)
+    store.put_bytes(f"{key}/_manifest.json", json.dumps(body, indent=2, sort_keys=True).encode())
+    loads: list[str] = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda path, *a, **kw: (loads.append(str(path)), real_load(path, *a, **kw))[1])
+
+    with pytest.raises(ckpt.CheckpointUntrusted, match="does not verify"):
+        restored = ckpt.fetch_newest_valid(run["run"], run["storage"], tmp_path / "resume", contract=_contract(run),
+                                           key=KEY)
+        # what DeepSpeed's engine.load_checkpoint does with the returned copy
+        TorchCheckpointEngine().load(str(restored.local_dir / target))
+    assert not marker.exists(), "the swapped file was unpickled: code from the store ran in the trainer"
+    assert loads == [], f"files from the store were unpickled: {loads}"
+    assert not (tmp_path / "resume" / "step-2").exists(), "nothing of it was downloaded"
 
 
 # ----------------------------------------------------------------------------- resume under other settings

@@ -186,19 +186,49 @@ def hmac_key(staging_root: str) -> bytes:
     return key
 
 
-def signature(key: bytes, uri: str, content_sha256: str) -> str:
-    return hmac.new(key, f"{uri.rstrip('/')}\n{content_sha256}".encode(), hashlib.sha256).hexdigest()
+SIGNED_AS = "mft-checkpoint-manifest-v2"  # what the HMAC covers: see signed_body
+
+
+def signed_body(uri: str, manifest: Manifest) -> bytes:
+    """The bytes a checkpoint's signature covers: the checkpoint URI it was committed at and the
+    canonical JSON of its whole manifest except the signature itself - every file's path, size and
+    sha256, the payload prefix, the step and data position, config, inputs. Whatever a resume uses
+    from the manifest is in here, so nothing that drives a download or a load can be rewritten."""
+    body = {k: v for k, v in manifest.__dict__.items() if k != "sha256"}
+    body["extra"] = {k: v for k, v in (manifest.extra or {}).items() if k != "signature"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return f"{SIGNED_AS}\n{uri.rstrip('/')}\n{canonical}".encode()
+
+
+def signature(key: bytes, uri: str, manifest: Manifest) -> str:
+    return hmac.new(key, signed_body(uri, manifest), hashlib.sha256).hexdigest()
 
 
 def verify_signature(key: bytes, uri: str, manifest: Manifest) -> None:
     got = (manifest.extra or {}).get("signature")
-    if not isinstance(got, str) or not hmac.compare_digest(got, signature(key, uri, manifest.content_sha256)):
+    if not isinstance(got, str) or not hmac.compare_digest(got, signature(key, uri, manifest)):
         raise CheckpointUntrusted(
             f"checkpoint {uri}: its manifest signature {'is missing' if got is None else 'does not verify'}; "
-            "DeepSpeed would unpickle its files, so it is not loaded. Either it was written by someone without the "
-            f"signing key, or this trainer has another key ({HMAC_KEY_ENV} / {HMAC_KEY_FILE_ENV} / the key file "
-            "under pipeline.staging_uri/.keys): give the trainer the key that signed the run's checkpoints"
+            "DeepSpeed would unpickle its files, so it is not loaded. Either its manifest was changed after it "
+            "was signed (files, hashes, payload prefix, step), it was written by someone without the signing key, "
+            f"or this trainer has another key ({HMAC_KEY_ENV} / {HMAC_KEY_FILE_ENV} / the key file under "
+            "pipeline.staging_uri/.keys): give the trainer the key that signed the run's checkpoints. Checkpoints "
+            f"signed before {SIGNED_AS} (the signature covered only the content hash) are refused too"
         )
+
+
+def check_local_copy(dest: Path, manifest: Manifest) -> None:
+    """The downloaded checkpoint directory holds exactly the manifest's files (each was checked
+    against its signed sha256 on download): anything else there (left by an earlier partial
+    download, planted) is removed before DeepSpeed globs the directory."""
+    listed = {dest / f["path"] for f in manifest.files}
+    for p in sorted(dest.rglob("*"), reverse=True):
+        if (p.is_file() or p.is_symlink()) and p not in listed:
+            log.warning("removing %s from the checkpoint copy: not a file of its signed manifest", p)
+            p.unlink()
+    missing = [str(p) for p in listed if not p.is_file() or p.is_symlink()]
+    if missing:
+        raise CheckpointError(f"checkpoint copy {dest}: files of the manifest missing after download: {missing[:5]}")
 
 
 # ----------------------------------------------------------------------------- what a checkpoint was made from
@@ -297,12 +327,13 @@ def fetch_newest_valid(run_uri: str, storage, local_root: Path, *, contract: Res
         if key is not None:
             verify_signature(key, uri, manifest)
         dest = local_root / f"step-{step}"
-        try:
-            fetch_artifact(uri, dest, storage)
+        try:  # the manifest read and verified above drives the downloads: it is not read again
+            fetch_artifact(uri, dest, storage, manifest=manifest)
         except ArtifactError as e:
             log.warning("skipping checkpoint %s: %s", uri, e)
             _quarantine(run_uri, step, storage, str(e), lease)
             continue
+        check_local_copy(dest, manifest)
         for p in dest.rglob("*"):  # a verified copy, read-only from here to DeepSpeed's torch.load
             if p.is_file():
                 p.chmod(0o444)
@@ -428,10 +459,10 @@ def prepare_attempt(run_staging: Path, attempt_staging: Path, run_uri: str, stor
     return pushed
 
 
-def _push(p: Pending, storage, key: bytes) -> Manifest:
+def _push(p: Pending, storage, key: bytes, before_commit: Callable[[], None] | None = None) -> Manifest:
     return publish_artifact(p.local_dir, layout.checkpoint_uri(p.run_uri, p.step), kind=KIND, config=p.config,
                             inputs=p.inputs, counts={}, extra={"step": p.step, **p.extra}, storage=storage,
-                            seal=lambda uri, content: {"signature": signature(key, uri, content)})
+                            seal=lambda m: {"signature": signature(key, m.uri, m)}, before_commit=before_commit)
 
 
 @dataclass(frozen=True)
