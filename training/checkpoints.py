@@ -48,6 +48,7 @@ import torch
 from pipeline_core import layout, uris
 from pipeline_core.artifacts import (
     MANIFEST,
+    ArtifactConflict,
     ArtifactError,
     Manifest,
     fetch_artifact,
@@ -292,6 +293,11 @@ def _check_lease(lease) -> None:
         lease.check()
 
 
+def _fence(lease) -> Callable[[], None] | None:
+    """What runs right before a checkpoint's manifest commit: the lease's conditional renewal."""
+    return None if lease is None else lease.fence
+
+
 def fetch_newest_valid(run_uri: str, storage, local_root: Path, *, contract: ResumeContract | None = None,
                        key: bytes | None = None, lease=None) -> Restored | None:
     """Download the newest committed checkpoint that verifies into local_root/step-N; None if none.
@@ -445,7 +451,11 @@ def prepare_attempt(run_staging: Path, attempt_staging: Path, run_uri: str, stor
         uri = layout.checkpoint_uri(run_uri, p.step)
         log.info("pushing checkpoint step-%d that attempt %s saved but did not push", p.step,
                  p.local_dir.parent.parent.name)
-        _push(p, storage, key)
+        try:
+            _push(p, storage, key, before_commit=_fence(lease))
+        except ArtifactConflict as e:  # the store's committed step wins; this copy is kept aside
+            _quarantine_local(run_staging, p, str(e))
+            continue
         pushed.append(p.step)
         (p.local_dir / PENDING).unlink()
         log.info("pushed checkpoint %s (left over from an earlier attempt)", uri)
@@ -457,6 +467,20 @@ def prepare_attempt(run_staging: Path, attempt_staging: Path, run_uri: str, stor
         if old != attempt_staging and not any(old.glob(f"checkpoints/step-*/{PENDING}")):
             shutil.rmtree(old, ignore_errors=True)
     return pushed
+
+
+def _quarantine_local(run_staging: Path, p: Pending, reason: str) -> Path:
+    """An earlier attempt's unpushed copy of a step the store already holds with other content (a
+    writer that was fenced out late, a timeline redone): the committed one is kept, this copy is
+    moved to `<run staging>/quarantine/` for a person, out of every later attempt's way."""
+    dest = run_staging / QUARANTINE / f"step-{p.step}-{p.local_dir.parent.parent.name}-{int(time.time())}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    (p.local_dir / PENDING).rename(p.local_dir / "QUARANTINED.pending.json")
+    (p.local_dir / "QUARANTINED.txt").write_text(reason + "\n")
+    shutil.move(str(p.local_dir), dest)
+    log.warning("checkpoint step-%d saved by attempt %s conflicts with the committed one; kept the committed "
+                "one, moved this copy to %s: %s", p.step, p.local_dir.parent.parent.name, dest, reason)
+    return dest
 
 
 def _push(p: Pending, storage, key: bytes, before_commit: Callable[[], None] | None = None) -> Manifest:
@@ -498,17 +522,31 @@ class CheckpointUploader:
         saves): called on the upload thread before anything else, returns once every rank's files
         are complete; only then is the pending marker written, so a crash while the files are
         still being written leaves nothing that a later attempt would push."""
-        self.raise_if_failed()
-        _check_lease(self.lease)
         p = Pending(step, local_dir, self.run_uri, self.config, self.inputs, extra)
         if ready is None:
-            p.write()  # from here a crash leaves it for the next attempt to push
+            p.write()  # first: a push that fails (or a crash) from here leaves it for the next attempt
+        try:
+            self.raise_if_failed()
+            _check_lease(self.lease)
+        except BaseException:
+            if ready is not None:  # async: mark it once its files are complete, then stop
+                self._mark_when_ready(p, ready)
+            raise
         while True:
             try:
                 self._q.put((p, ready), timeout=1.0)
                 return
             except queue.Full:
                 self.raise_if_failed()
+
+    @staticmethod
+    def _mark_when_ready(p: Pending, ready: Callable[[], None]) -> None:
+        try:
+            ready()
+        except Exception as e:  # noqa: BLE001 - its files never completed: nothing to keep
+            log.warning("checkpoint %s was not written completely (%s); not kept for the next attempt", p.local_dir, e)
+            return
+        p.write()
 
     def close(self) -> None:
         """Wait for every queued upload; raise if any failed."""
@@ -542,16 +580,34 @@ class CheckpointUploader:
                     log.error("checkpoint uploader stops: %s", self._fatal)
                     return
                 p.write()  # every rank's files are complete: from here a crash leaves it for the next attempt
+            displaced = False
             while True:
                 try:
                     _check_lease(self.lease)
-                    _push(p, self.storage, self.key)
+                    _push(p, self.storage, self.key, before_commit=_fence(self.lease))
                     _check_lease(self.lease)
                     write_latest(layout.checkpoints_uri(self.run_uri), uri, self.storage, replace=True)
                 except LeaseLost as e:
                     self._fatal = e
                     log.error("checkpoint uploader stops: %s", e)
                     return
+                except ArtifactConflict as e:
+                    if self.lease is None or displaced:  # no lease proves the run is ours, or it happened twice
+                        self._fatal = PushFailed(f"checkpoint {uri}: {e}")
+                        log.error("checkpoint uploader stops: %s", self._fatal)
+                        return
+                    # this trainer holds the run (fenced below): a checkpoint committed at this step
+                    # since it resumed is a fenced-out writer's late commit; moved aside, never deleted
+                    try:
+                        self.lease.fence()
+                        _quarantine(self.run_uri, p.step, self.storage,
+                                    f"committed by another writer while {self.lease.holder} held the run lease; "
+                                    f"replaced by the holder's own step-{p.step}", self.lease)
+                    except LeaseLost as lost:
+                        self._fatal = lost
+                        return
+                    displaced = True
+                    continue
                 except Exception as e:  # noqa: BLE001 - retried, then fatal
                     failures += 1
                     self.errors.append(f"{uri}: {e}")
