@@ -53,7 +53,7 @@ def _contract(r, allow=False, **train):
 
 # ----------------------------------------------------------------------------- one trainer per run
 def test_a_second_trainer_is_refused_naming_the_holder_and_touches_nothing(run):
-    first = RunLease(run["run"], run["storage"], ttl_s=3, attempt="first").acquire()
+    first = RunLease(run["run"], run["storage"], ttl_s=8, attempt="first").acquire()
     try:
         up = ckpt.CheckpointUploader(run["run"], run["storage"], ckpt.PushPolicy(keep_last=2), _cfg_json(),
                                      [run["input"]], key=KEY, lease=first)
@@ -62,7 +62,7 @@ def test_a_second_trainer_is_refused_naming_the_holder_and_touches_nothing(run):
         while up.pushed != [2]:
             assert time.time() < deadline
             time.sleep(0.05)
-        second = RunLease(run["run"], run["storage"], ttl_s=3, attempt="second")
+        second = RunLease(run["run"], run["storage"], ttl_s=8, attempt="second")
         before = {k: v for k, v in _keys(run).items() if "/step-2/" in k}
         with pytest.raises(LeaseHeld, match=r"being trained by .*:first") as e:
             second.acquire()  # waits 1.5 x ttl while the first keeps renewing
@@ -90,7 +90,7 @@ def test_a_dead_trainers_lease_expires_and_a_released_one_is_free_at_once(run):
 
 
 def test_uploader_and_pruner_stop_the_moment_the_lease_is_lost(run):
-    lease = RunLease(run["run"], run["storage"], ttl_s=3, attempt="old").acquire()
+    lease = RunLease(run["run"], run["storage"], ttl_s=8, attempt="old").acquire()
     up = ckpt.CheckpointUploader(run["run"], run["storage"], ckpt.PushPolicy(keep_last=1), _cfg_json(),
                                  [run["input"]], key=KEY, lease=lease)
     up.submit(2, _save(run["staging"], "old", 2), {})

@@ -95,14 +95,17 @@ class LeaseBody:
 
 
 def attempt_id() -> str:
-    """The same id on every rank of one launch: the launcher's MFT_ATTEMPT_ID, else torchrun's
-    rendezvous run id + restart count, else a fresh one (a single process)."""
-    raw = os.environ.get("MFT_ATTEMPT_ID")
-    if not raw and os.environ.get("TORCHELASTIC_RUN_ID"):
-        raw = f"{os.environ['TORCHELASTIC_RUN_ID']}-r{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    """This launch's attempt: the launcher's MFT_ATTEMPT_ID (one per Airflow try), else torchrun's
+    rendezvous run id, else a fresh one (a single process); under torchrun the agent's restart
+    count is appended, so a restart of the workers is an attempt of its own too. The ranks of one
+    launch use rank 0's (training/train.py broadcasts it): a replaced node's agent counts its
+    restarts from 0."""
+    raw = os.environ.get("MFT_ATTEMPT_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    if raw and os.environ.get("TORCHELASTIC_RUN_ID"):
+        raw = f"{raw}-r{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if not raw:
         raw = uuid.uuid4().hex[:12]
-    return re.sub(r"[^A-Za-z0-9._-]", "-", raw)[:100].strip(".-") or uuid.uuid4().hex[:12]
+    return re.sub(r"[^A-Za-z0-9._-]", "-", raw)[-100:].strip(".-") or uuid.uuid4().hex[:12]
 
 
 class RunLease:
