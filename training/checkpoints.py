@@ -18,9 +18,13 @@ directory (every rank's model/optimizer files plus per-rank RNG state). What sur
   (naming each difference) unless `train.resume_across_changes` is set.
 - DeepSpeed's own files are `torch.load`ed with `weights_only=False` by DeepSpeed, so a checkpoint
   is loaded only if its manifest carries an HMAC-SHA256 signature, made with a key that never
-  goes to the store, over the checkpoint's URI and content hash (which covers every file's
-  sha256, each verified on download). RNG state is saved as plain tensors and loaded with
-  `weights_only=True`.
+  goes to the store, over the checkpoint's URI and the whole canonical manifest body (every
+  file's path, size and sha256, the payload prefix, step, config, inputs: `signed_body`). The
+  manifest is read once; that verified record drives the downloads, each file checked against its
+  signed sha256. RNG state is saved as plain tensors and loaded with `weights_only=True`.
+- A checkpoint's manifest is committed only after the lease's fence (a conditional write on the
+  lease, training/lease.py); a conflicting commit of the same step is quarantined by the holder,
+  or (an earlier attempt's unpushed copy) moved aside locally - never an endless conflict.
 """
 
 from __future__ import annotations
