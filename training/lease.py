@@ -111,7 +111,9 @@ def attempt_id() -> str:
 class RunLease:
     def __init__(self, run_uri: str, storage, ttl_s: float, attempt: str):
         self.uri = uris.join(run_uri, LEASE)
-        self.storage, self.ttl_s, self.attempt = lease_storage(storage, float(ttl_s)), float(ttl_s), attempt
+        self.ttl_s, self.attempt = float(ttl_s), attempt
+        self.storage = storage  # acquire / release: the store's usual retries (not time-critical)
+        self._renew_storage = lease_storage(storage, self.ttl_s)  # renewals and fences: bounded
         self.holder = f"{socket.gethostname()}:{os.getpid()}:{attempt}"
         self._etag: str | None = None
         self._acquired_at = 0.0
@@ -214,7 +216,7 @@ class RunLease:
         when it timed out or moved to another holder; another error (the store unreachable) when it
         could not be proved - either way the caller does not commit."""
         self.check()
-        store, key = open_store(self.uri, self.storage)
+        store, key = open_store(self.uri, self._renew_storage)
         self._renew(store, key)
         self.check()
 
@@ -235,7 +237,7 @@ class RunLease:
             self._last_renewal = max(self._last_renewal, sent)
 
     def _renew_loop(self) -> None:
-        store, key = open_store(self.uri, self.storage)
+        store, key = open_store(self.uri, self._renew_storage)
         while not self._stop.wait(self.ttl_s * RENEW_EVERY if self._renew_ok else min(2.0, self.ttl_s / 10)):
             if self._lost is not None:
                 return
