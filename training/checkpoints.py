@@ -588,30 +588,20 @@ class CheckpointUploader:
             while True:
                 try:
                     _check_lease(self.lease)
-                    _push(p, self.storage, self.key, before_commit=_fence(self.lease))
+                    try:
+                        _push(p, self.storage, self.key, before_commit=_fence(self.lease))
+                    except ArtifactConflict:
+                        if self.lease is None or displaced:  # no lease proves the run is ours; or twice
+                            raise
+                        self._displace(p.step)
+                        displaced = True
+                        _push(p, self.storage, self.key, before_commit=_fence(self.lease))
                     _check_lease(self.lease)
                     write_latest(layout.checkpoints_uri(self.run_uri), uri, self.storage, replace=True)
                 except LeaseLost as e:
                     self._fatal = e
                     log.error("checkpoint uploader stops: %s", e)
                     return
-                except ArtifactConflict as e:
-                    if self.lease is None or displaced:  # no lease proves the run is ours, or it happened twice
-                        self._fatal = PushFailed(f"checkpoint {uri}: {e}")
-                        log.error("checkpoint uploader stops: %s", self._fatal)
-                        return
-                    # this trainer holds the run (fenced below): a checkpoint committed at this step
-                    # since it resumed is a fenced-out writer's late commit; moved aside, never deleted
-                    try:
-                        self.lease.fence()
-                        _quarantine(self.run_uri, p.step, self.storage,
-                                    f"committed by another writer while {self.lease.holder} held the run lease; "
-                                    f"replaced by the holder's own step-{p.step}", self.lease)
-                    except LeaseLost as lost:
-                        self._fatal = lost
-                        return
-                    displaced = True
-                    continue
                 except Exception as e:  # noqa: BLE001 - retried, then fatal
                     failures += 1
                     self.errors.append(f"{uri}: {e}")
@@ -640,6 +630,13 @@ class CheckpointUploader:
                 return
             except Exception:  # noqa: BLE001 - pruning is housekeeping; the next push prunes again
                 log.warning("pruning after %s failed", uri, exc_info=True)
+
+    def _displace(self, step: int) -> None:
+        """A checkpoint of `step` committed by someone else since this trainer resumed: a fenced-out
+        writer's late commit. With the lease proved (fence), it is moved aside, never deleted."""
+        self.lease.fence()
+        _quarantine(self.run_uri, step, self.storage, f"committed by another writer while {self.lease.holder} held "
+                    f"the run lease; replaced by the holder's own step-{step}", self.lease)
 
     def _prune(self, newest: int) -> None:
         """Keep the newest keep_last committed checkpoints; drop older ones and stale partials."""
