@@ -282,6 +282,27 @@ def test_failing_puts_fail_fast_keep_the_local_copy_and_the_next_attempt_pushes_
     assert got.step == 4, "the retry resumes where the failed attempt stopped, not one interval earlier"
 
 
+def test_an_async_save_point_that_raises_still_leaves_its_complete_checkpoint_pending(run, s3_server):
+    """Issue 26 item 9a with async saves: the marker may only be written once every rank's files are
+    complete (`ready`), so a save point that raises PushFailed waits for them, marks, then raises."""
+    with FaultProxy(s3_server.endpoint, fail_first=10_000, status=507, code="InsufficientStorage",
+                    methods=("PUT",)) as proxy:
+        bad = StorageSection(endpoint_url=proxy.endpoint, max_attempts=1)
+        up = ckpt.CheckpointUploader(run["run"], bad, ckpt.PushPolicy(keep_last=2, max_failed_pushes=1,
+                                     backoff_s=0.01), _cfg_json(), [run["input"]], key=KEY)
+        up.submit(2, _save(run["staging"], "a1", 2), {"data_position": 4})
+        deadline = time.time() + 60
+        while up._fatal is None:
+            assert time.time() < deadline, "the uploader never gave up"
+            time.sleep(0.05)
+        local = _save(run["staging"], "a1", 4)
+        waited = []
+        with pytest.raises(ckpt.PushFailed):
+            up.submit(4, local, {"data_position": 8}, ready=lambda: waited.append(4))
+    assert waited == [4] and (local / ckpt.PENDING).is_file()
+    assert ckpt.Pending.read(local).extra == {"data_position": 8}
+
+
 def test_a_checkpoint_missing_a_ranks_files_is_refused(tmp_path):
     local = _save(tmp_path, "a", 2, world=1)
     with pytest.raises(ckpt.CheckpointError, match="rank.*1.*staging_uri must be a file system all nodes share"):
