@@ -430,6 +430,17 @@ def test_a_swapped_model_states_file_with_rewritten_hashes_and_payload_is_never_
     assert not (tmp_path / "resume" / "step-2").exists(), "nothing of it was downloaded"
 
 
+def test_the_resumed_checkpoints_manifest_is_read_once(run, s3_server, tmp_path):
+    """The one parsed, verified manifest drives the downloads: no second read a writer could swap."""
+    _push(run, 2)
+    with FaultProxy(s3_server.endpoint) as proxy:
+        storage = StorageSection(endpoint_url=proxy.endpoint, max_attempts=3)
+        got = ckpt.fetch_newest_valid(run["run"], storage, tmp_path / "resume", contract=_contract(run), key=KEY)
+    assert got.step == 2
+    reads = [p for m, p, _ in proxy.requests if m == "GET" and p.split("?")[0].endswith("step-2/_manifest.json")]
+    assert len(reads) == 1, reads
+
+
 # ----------------------------------------------------------------------------- resume under other settings
 def test_resume_is_refused_when_content_settings_or_input_differ(run, tmp_path, s3_server):
     _push(run, 2, config=_cfg_json(learning_rate=1e-4, seq_len=1024))
