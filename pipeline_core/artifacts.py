@@ -219,12 +219,15 @@ def publish_artifact(
     extra: dict[str, Any] | None = None,
     timings: dict[str, float] | None = None,
     storage: StorageSection | None = None,
-    seal: Callable[[str, str], dict[str, Any]] | None = None,
+    seal: Callable[[Manifest], dict[str, Any]] | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> Manifest:
     """Upload every file under `local_dir` to `uri`, then commit `uri/_manifest.json`.
 
-    `seal(uri, content_sha256)` may add entries to `extra` once the content hash is known (the
-    trainer signs its checkpoints with it) without hashing the files a second time."""
+    `seal(manifest)` may add entries to `extra` once the manifest is complete (the trainer signs
+    its checkpoints' whole manifest body with it). `before_commit()` runs right before the
+    manifest's conditional create and may raise to stop it (the trainer's lease fence); the
+    uploaded payload is then removed."""
     uri = uris.require_uri(uri, "artifact URI").rstrip("/")
     local_dir = Path(local_dir)
     counts = counts or {}
@@ -272,10 +275,18 @@ def publish_artifact(
         content_sha256=content_hash(files),
         created_at=time.time(),
         timings={**(timings or {}), "upload_s": round(upload_s, 3)},
-        extra={**(extra or {}), **(seal(uri, content_hash(files)) if seal else {})},
+        extra=dict(extra or {}),
         payload=attempt,
     )
+    if seal is not None:
+        manifest.extra.update(seal(manifest))
     body = manifest.to_json()
+    if before_commit is not None:
+        try:
+            before_commit()
+        except BaseException:
+            _drop_attempt(store, key, attempt)
+            raise
     try:
         store.put_bytes(f"{key}/{MANIFEST}", body, if_none_match=True)
     except PreconditionFailed:
@@ -313,11 +324,14 @@ def _same_or_conflict(existing: Manifest, content_sha: str, uri: str) -> Manifes
 
 
 def fetch_artifact(
-    uri: str, local_dir: str | Path, storage: StorageSection | None = None, prefix: str = ""
+    uri: str, local_dir: str | Path, storage: StorageSection | None = None, prefix: str = "",
+    manifest: Manifest | None = None,
 ) -> Manifest:
     """Download the committed artifact's files under `prefix` into `local_dir`, verifying each
-    file's size and sha256 against the manifest. Files already present and intact are kept."""
-    manifest = require_manifest(uri, storage)
+    file's size and sha256 against the manifest. Files already present and intact are kept.
+    `manifest`: one the caller already read (and verified): used as is, the store's manifest is
+    not read again (no window between a check of the manifest and the downloads it drives)."""
+    manifest = require_manifest(uri, storage) if manifest is None else manifest
     store, key = open_store(uri, storage)
     key = key.rstrip("/")
     local_dir = Path(local_dir)

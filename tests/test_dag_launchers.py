@@ -233,10 +233,11 @@ class FakeKubernetesApi:
     """The API calls the Job operator makes, recorded (no cluster exists here). Pods appear only
     after `pods_after` lists, as the Job controller creates them a moment after the Job."""
 
-    def __init__(self, pods_after: int, n_pods: int):
+    def __init__(self, pods_after: int, n_pods: int, existing=None):
         from kubernetes.client import models as k8s
 
         self.pods_after, self.lists, self.jobs, self.services, self.blocking_waits = pods_after, 0, [], [], []
+        self.existing, self.deleted = existing, []  # a Job of an earlier try, answered until deleted
         self.pods = [k8s.V1Pod(metadata=k8s.V1ObjectMeta(name=f"job-mft-train-r1-{i}-x{i}", namespace="ml",
                                                          labels={"try_number": "1"})) for i in range(n_pods)]
         self.is_in_cluster = False
@@ -258,7 +259,13 @@ class FakeKubernetesApi:
     def read_namespaced_job(self, name, namespace):
         from kubernetes.client.exceptions import ApiException
 
+        if self.existing is not None and self.existing.metadata.name == name:
+            return self.existing
         raise ApiException(status=404)
+
+    def delete_namespaced_job(self, name, namespace, propagation_policy=None):
+        self.deleted.append((name, namespace, propagation_policy))
+        self.existing = None
 
     # CoreV1Api
     def create_namespaced_service(self, namespace, body):
@@ -321,6 +328,125 @@ def test_kubernetes_launcher_defers_so_no_worker_slot_is_held(local_plan, tmp_pa
                                              "pod_names": kwargs["pod_names"], "pod_namespace": "ml"})
     assert result["uri"] == local_plan.model_uri and result["reused"] is False
     assert logged == kwargs["pod_names"]  # each node's log lands in the task log
+
+
+def _earlier_job(active: int):
+    from kubernetes.client import models as k8s
+
+    return k8s.V1Job(metadata=k8s.V1ObjectMeta(name="job-mft-train-r1", namespace="ml"),
+                     status=k8s.V1JobStatus(active=active, failed=0 if active else 1))
+
+
+def test_kubernetes_retry_adopts_the_earlier_tries_active_job(local_plan):
+    """Issue 26 item 10: a retry whose predecessor's Job is still active waits on that Job (deferred
+    on its name) instead of creating a second trainer."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    earlier = _earlier_job(active=2)
+    api = FakeKubernetesApi(pods_after=0, n_pods=2, existing=earlier)
+    op = _kubernetes_op_on(api, local_plan)
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute(_k8s_context(local_plan))
+    assert api.jobs == [] and api.deleted == [], "no second Job, and the running one is not deleted"
+    assert op.job is earlier and deferred.value.trigger.serialize()[1]["job_name"] == "job-mft-train-r1"
+
+
+def test_kubernetes_retry_replaces_the_earlier_tries_finished_job(local_plan):
+    """A finished (failed) Job of the previous try is deleted, then this try's Job is created, carrying
+    this try's attempt id (its own staging directory and checkpoint markers)."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    api = FakeKubernetesApi(pods_after=0, n_pods=2, existing=_earlier_job(active=0))
+    op = _kubernetes_op_on(api, local_plan)
+    ctx = _k8s_context(local_plan)
+    ctx["ti"].try_number = 2
+    with pytest.raises(TaskDeferred):
+        op.execute(ctx)
+    assert api.deleted == [("job-mft-train-r1", "ml", "Foreground")]
+    [job] = api.jobs
+    env = {e.name: e.value for e in job.spec.template.spec.containers[0].env}
+    assert env["MFT_ATTEMPT_ID"] == "scheduled__2026-01-01T02:00:00+00:00-try2"
+
+
+class FakeDockerApi:
+    """The Docker engine calls of the train operator's take-over (no engine exists here): one
+    container of this run's name from an earlier try; `wait` is where it finishes."""
+
+    def __init__(self, state: str, mounts: list[dict], on_wait=None):
+        self.container = {"Id": "c0ffee" * 4, "State": state, "Mounts": mounts}
+        self.on_wait, self.removed, self.waited = on_wait, [], []
+
+    def containers(self, all, filters):
+        return [self.container]
+
+    def logs(self, cid, stream=False, follow=False, tail=50):
+        return iter([b"step 2 of 2\n"]) if stream else b"Traceback: an earlier failure\n"
+
+    def wait(self, cid):
+        self.waited.append(cid)
+        if self.on_wait:
+            self.on_wait()
+
+    def remove_container(self, cid, force=False):
+        self.removed.append(cid)
+
+
+def _earlier_secret(plan) -> Path:
+    """What an earlier try's operator wrote for its container (its process died before removing it)."""
+    staging = uris.to_local_path(load_plan_config(plan).pipeline.staging_uri)
+    secret = staging / "secrets" / f"{plan.trainer_name}-99999" / "credentials"
+    secret.parent.mkdir(parents=True)
+    secret.write_text("[default]\n")
+    return secret
+
+
+def _commit_model(plan, tmp_path):
+    from pipeline_core.artifacts import publish_artifact
+
+    model = tmp_path / "model"
+    (model / "data").mkdir(parents=True)
+    (model / "data" / "model.safetensors").write_bytes(b"weights")
+    publish_artifact(model, plan.model_uri, kind="model", counts={})
+
+
+def test_docker_retry_adopts_a_running_container_reports_reused_and_removes_its_credentials(local_plan, tmp_path,
+                                                                                            monkeypatch):
+    from airflow.providers.docker.operators.docker import DockerOperator
+
+    from plugins.mft_airflow.launchers import CONTAINER_CREDENTIALS
+
+    secret = _earlier_secret(local_plan)
+    api = FakeDockerApi("running", [{"Source": str(secret), "Destination": CONTAINER_CREDENTIALS}],
+                        on_wait=lambda: _commit_model(local_plan, tmp_path))
+    monkeypatch.setattr(DockerOperator, "execute", lambda self, ctx: pytest.fail("a second trainer was started"))
+    op = rendered(_train_op(launcher="docker"), local_plan)
+    op.__dict__["hook"] = SimpleNamespace(api_client=api)
+    result = op.execute(task_context(local_plan))
+    assert api.waited and api.removed, "the running container is waited for, then removed"
+    assert result["reused"] is True and result["uri"] == local_plan.model_uri
+    assert not secret.exists() and not secret.parent.exists(), "the adopted container's credentials file stays"
+
+
+def test_docker_retry_after_a_failed_container_launches_its_own_with_this_tries_attempt(local_plan, tmp_path,
+                                                                                        monkeypatch):
+    from airflow.providers.docker.operators.docker import DockerOperator
+
+    from plugins.mft_airflow.launchers import CONTAINER_CREDENTIALS
+
+    secret = _earlier_secret(local_plan)
+    api = FakeDockerApi("exited", [{"Source": str(secret), "Destination": CONTAINER_CREDENTIALS}])
+    launched = []
+    monkeypatch.setattr(DockerOperator, "execute", lambda self, ctx: (launched.append(dict(self.environment)),
+                                                                       _commit_model(local_plan, tmp_path)))
+    op = rendered(_train_op(launcher="docker"), local_plan)
+    op.__dict__["hook"] = SimpleNamespace(api_client=api)
+    ctx = task_context(local_plan)
+    ctx["ti"].try_number = 3
+    result = op.execute({**ctx, "run_id": "manual__x"})
+    assert api.removed and not api.waited
+    assert result["reused"] is False and len(launched) == 1
+    assert launched[0]["MFT_ATTEMPT_ID"] == "manual__x-try3"
+    assert not secret.exists()
 
 
 def test_kubernetes_launcher_fails_when_the_pods_never_appear(local_plan):

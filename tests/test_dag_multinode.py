@@ -12,7 +12,7 @@ import pytest
 
 from pipeline_core import uris
 from pipeline_core.artifacts import read_manifest
-from plugins.mft_airflow.launchers import LocalTrainProcess, local_command, local_env
+from plugins.mft_airflow.launchers import LocalTrainProcess, attempt_env, local_command, local_env
 from plugins.mft_airflow.plan import load_plan_config, resolve_plan
 from plugins.mft_airflow.settings import load_settings
 from tests.conftest import REPO, free_port
@@ -74,3 +74,56 @@ def test_two_nodes_with_a_shared_rendezvous_train_one_run(tmp_path):
     assert "Using topology: {ProcessCoord(pipe=0, data=0): 0, ProcessCoord(pipe=1, data=0): 1}" in logs[0], logs[0]
     model = read_manifest(plan.model_uri)
     assert model is not None and model.kind == "model" and [i["uri"] for i in model.inputs] == [input_uri]
+
+
+class _TI:  # what attempt_env reads of Airflow's task instance
+    def __init__(self, run_id: str, try_number: int):
+        self.run_id, self.try_number = run_id, try_number
+
+
+def test_each_try_of_a_two_node_launch_has_its_own_attempt_and_stale_markers_do_not_count(tmp_path):
+    """Issue 26 item 3: two Airflow tries of one two-node run, each launched as the local launcher
+    does (two torchrun agents, one rendezvous, the launcher's per-try MFT_ATTEMPT_ID), running a
+    stand-in module (tests/attempt_probe.py) that picks its attempt directory and writes its
+    per-rank checkpoint markers like the trainer. Each try gets its own directory, both ranks agree
+    on it, and the second try's rank 0 does not count the first try's marker of rank 1 (which the
+    second try never wrote)."""
+    store = uris.qualify(tmp_path / "store")
+    plan = resolve_plan(
+        {"dataset_version": "test", "run_id": "two-nodes", "steps": 2, "seq_len": 64, "base_model": "tiny"},
+        dag_id="d", airflow_run_id="manual__x", run_date=None,
+        env=deployment_env({"pipeline.store_uri": store, "pipeline.staging_uri": uris.qualify(tmp_path / "staging")}),
+        world_size=2)
+    cfg = load_plan_config(plan)
+    out = tmp_path / "out"
+    out.mkdir()
+    for try_number, skip in ((1, ""), (2, "1")):
+        endpoint = f"127.0.0.1:{free_port()}"
+        nodes = []
+        for r in (0, 1):
+            s = load_settings(env={}, nnodes=2, node_rank=r, local_nproc_per_node=1, rdzv_endpoint=endpoint,
+                              train_module="tests.attempt_probe")
+            env = {**local_env(cfg, s), **attempt_env({"ti": _TI("manual__x", try_number)}),
+                   "PROBE_OUT": str(out), "PROBE_SKIP_RANK": skip}
+            nodes.append(LocalTrainProcess(local_command(plan, s), env, str(REPO), LineLog()))
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=_run, args=(n, errors)) for n in nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, f"{errors}\n" + "\n".join("\n".join(n.log.lines[-30:]) for n in nodes)
+    attempts = sorted(p.name for p in (out / "attempts").iterdir())
+    assert attempts == ["manual__x-try1-r0", "manual__x-try2-r0"], attempts
+    ranks = sorted(p.name for p in out.glob("rank*"))
+    assert ranks == [f"rank{r}-manual__x-try{t}-r0" for r in (0, 1) for t in (1, 2)], ranks  # both ranks agree
+    assert (out / "wait-manual__x-try1-r0").read_text() == "complete"
+    refused = (out / "wait-manual__x-try2-r0").read_text()
+    assert refused.startswith("refused") and "rank(s) [1]" in refused, refused
+
+
+def _run(node, errors):
+    try:
+        node.execute()
+    except BaseException as e:  # reported with the nodes' logs
+        errors.append(e)

@@ -27,6 +27,7 @@ from spark_jobs.staging import (
     OWNER_SUFFIX,
     StagingOwner,
     host_identity,
+    proc_start_ticks,
     process_start_time,
     sweep_dead_attempts,
 )
@@ -157,8 +158,11 @@ def _record(stage_dir: Path, name: str, **fields) -> Path:
     (stage_dir / name).mkdir(parents=True)
     me = os.getpid()
     base = dict(host=host_identity(), pid=me, started=process_start_time(me), attempt=name[17:], heartbeat=time.time(),
-                ttl_s=60.0)
-    StagingOwner(**{**base, **fields}).write(stage_dir / f"{name}{OWNER_SUFFIX}")
+                ttl_s=60.0, start_ticks=proc_start_ticks(me))
+    owner = StagingOwner(**{**base, **fields})
+    record = stage_dir / f"{name}{OWNER_SUFFIX}"
+    owner.write(record)
+    os.utime(record, (owner.heartbeat, owner.heartbeat))  # written when its heartbeat says
     return stage_dir / name
 
 
@@ -167,7 +171,8 @@ def _record(stage_dir: Path, name: str, **fields) -> Path:
     ("other_host_fresh", dict(host="node-7/boot/1"), False),
     ("other_host_stale_under_its_own_longer_ttl", dict(host="node-7/boot/1", age=300, ttl_s=900.0),
      False),
-    ("pid_reused_by_another_process", dict(started=1.0, age=3600), True),
+    ("pid_reused_by_another_process", dict(started=1.0, start_ticks=1, age=3600), True),
+    ("pid_reused_record_of_older_code", dict(started=1.0, start_ticks=None, age=3600), True),
     ("live_here_with_a_stalled_heartbeat", dict(age=3600), False),
 ])
 def test_sweep_decides_by_liveness_here_and_by_heartbeat_from_elsewhere(tmp_path, case, fields, swept):
@@ -190,3 +195,23 @@ def test_what_cannot_be_proven_dead_is_left_alone(tmp_path):
     garbled.with_name(garbled.name + OWNER_SUFFIX).write_text(json.dumps({"pid": 1}))
     assert sweep_dead_attempts(tmp_path, key, ttl_s=5.0, now=time.time() + 10**6) == []
     assert legacy.exists() and garbled.exists()
+
+
+def test_a_clock_step_never_makes_a_live_or_heartbeating_attempt_look_dead(tmp_path, monkeypatch):
+    """Issue 26 item 7. Here: a live attempt of this process, and the wall clock stepped an hour
+    forward (the sweep's injected `now`; psutil's wall-clock start times move with a step too -
+    faked by 5 s). From another host: a heartbeat just written (its record's mtime on the shared
+    file system is fresh) while the sweeper's clock is a day ahead. Neither is swept; a record stale
+    by both clocks still is."""
+    import psutil
+
+    key = "0123456789abcdef"
+    here = _record(tmp_path, f"{key}-aaaaaaaaaaaa")
+    elsewhere = _record(tmp_path, f"{key}-bbbbbbbbbbbb", host="node-7/boot/1")
+    stepped = psutil.Process.create_time
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: stepped(self) + 5.0)
+    assert sweep_dead_attempts(tmp_path, key, ttl_s=60.0, now=time.time() + 86400) == []
+    assert here.exists() and elsewhere.exists()
+    gone = _record(tmp_path, f"{key}-cccccccccccc", host="node-7/boot/1", heartbeat=time.time() - 3600)
+    assert sweep_dead_attempts(tmp_path, key, ttl_s=60.0, now=time.time() + 86400) == ["cccccccccccc"]
+    assert not gone.exists() and here.exists() and elsewhere.exists()

@@ -70,7 +70,9 @@ def setup(tmp_path_factory, s3_server):
         "train.gradient_accumulation_steps": 2, "train.steps": STEPS, "train.checkpoint_every": 4,
         "train.keep_last": 2, "train.precision": "fp32", "train.learning_rate": 2e-3, "train.warmup_steps": 1,
         "train.verify_parity": True, "train.eval_batches": 2, "train.ds_config": str(ds_path),
-        "train.lease_ttl_s": 6,  # the killed run's lease expires quickly (a live one is renewed every 2 s)
+        # the killed run's lease expires in 12 s; a live one renews every 4 s and is lost only after 9 s
+        # without a renewal (training.lease margins), room enough for a loaded 2-core machine
+        "train.lease_ttl_s": 12,
         "train.eval_every": 6,
     })
     cfg_path = cfg.dump(tmp / "config.yaml")

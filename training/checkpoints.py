@@ -18,9 +18,13 @@ directory (every rank's model/optimizer files plus per-rank RNG state). What sur
   (naming each difference) unless `train.resume_across_changes` is set.
 - DeepSpeed's own files are `torch.load`ed with `weights_only=False` by DeepSpeed, so a checkpoint
   is loaded only if its manifest carries an HMAC-SHA256 signature, made with a key that never
-  goes to the store, over the checkpoint's URI and content hash (which covers every file's
-  sha256, each verified on download). RNG state is saved as plain tensors and loaded with
-  `weights_only=True`.
+  goes to the store, over the checkpoint's URI and the whole canonical manifest body (every
+  file's path, size and sha256, the payload prefix, step, config, inputs: `signed_body`). The
+  manifest is read once; that verified record drives the downloads, each file checked against its
+  signed sha256. RNG state is saved as plain tensors and loaded with `weights_only=True`.
+- A checkpoint's manifest is committed only after the lease's fence (a conditional write on the
+  lease, training/lease.py); a conflicting commit of the same step is quarantined by the holder,
+  or (an earlier attempt's unpushed copy) moved aside locally - never an endless conflict.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ import torch
 from pipeline_core import layout, uris
 from pipeline_core.artifacts import (
     MANIFEST,
+    ArtifactConflict,
     ArtifactError,
     Manifest,
     fetch_artifact,
@@ -187,19 +192,49 @@ def hmac_key(staging_root: str) -> bytes:
     return key
 
 
-def signature(key: bytes, uri: str, content_sha256: str) -> str:
-    return hmac.new(key, f"{uri.rstrip('/')}\n{content_sha256}".encode(), hashlib.sha256).hexdigest()
+SIGNED_AS = "mft-checkpoint-manifest-v2"  # what the HMAC covers: see signed_body
+
+
+def signed_body(uri: str, manifest: Manifest) -> bytes:
+    """The bytes a checkpoint's signature covers: the checkpoint URI it was committed at and the
+    canonical JSON of its whole manifest except the signature itself - every file's path, size and
+    sha256, the payload prefix, the step and data position, config, inputs. Whatever a resume uses
+    from the manifest is in here, so nothing that drives a download or a load can be rewritten."""
+    body = {k: v for k, v in manifest.__dict__.items() if k != "sha256"}
+    body["extra"] = {k: v for k, v in (manifest.extra or {}).items() if k != "signature"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return f"{SIGNED_AS}\n{uri.rstrip('/')}\n{canonical}".encode()
+
+
+def signature(key: bytes, uri: str, manifest: Manifest) -> str:
+    return hmac.new(key, signed_body(uri, manifest), hashlib.sha256).hexdigest()
 
 
 def verify_signature(key: bytes, uri: str, manifest: Manifest) -> None:
     got = (manifest.extra or {}).get("signature")
-    if not isinstance(got, str) or not hmac.compare_digest(got, signature(key, uri, manifest.content_sha256)):
+    if not isinstance(got, str) or not hmac.compare_digest(got, signature(key, uri, manifest)):
         raise CheckpointUntrusted(
             f"checkpoint {uri}: its manifest signature {'is missing' if got is None else 'does not verify'}; "
-            "DeepSpeed would unpickle its files, so it is not loaded. Either it was written by someone without the "
-            f"signing key, or this trainer has another key ({HMAC_KEY_ENV} / {HMAC_KEY_FILE_ENV} / the key file "
-            "under pipeline.staging_uri/.keys): give the trainer the key that signed the run's checkpoints"
+            "DeepSpeed would unpickle its files, so it is not loaded. Either its manifest was changed after it "
+            "was signed (files, hashes, payload prefix, step), it was written by someone without the signing key, "
+            f"or this trainer has another key ({HMAC_KEY_ENV} / {HMAC_KEY_FILE_ENV} / the key file under "
+            "pipeline.staging_uri/.keys): give the trainer the key that signed the run's checkpoints. Checkpoints "
+            f"signed before {SIGNED_AS} (the signature covered only the content hash) are refused too"
         )
+
+
+def check_local_copy(dest: Path, manifest: Manifest) -> None:
+    """The downloaded checkpoint directory holds exactly the manifest's files (each was checked
+    against its signed sha256 on download): anything else there (left by an earlier partial
+    download, planted) is removed before DeepSpeed globs the directory."""
+    listed = {dest / f["path"] for f in manifest.files}
+    for p in sorted(dest.rglob("*"), reverse=True):
+        if (p.is_file() or p.is_symlink()) and p not in listed:
+            log.warning("removing %s from the checkpoint copy: not a file of its signed manifest", p)
+            p.unlink()
+    missing = [str(p) for p in listed if not p.is_file() or p.is_symlink()]
+    if missing:
+        raise CheckpointError(f"checkpoint copy {dest}: files of the manifest missing after download: {missing[:5]}")
 
 
 # ----------------------------------------------------------------------------- what a checkpoint was made from
@@ -266,6 +301,11 @@ def _check_lease(lease) -> None:
         lease.check()
 
 
+def _fence(lease) -> Callable[[], None] | None:
+    """What runs right before a checkpoint's manifest commit: the lease's conditional renewal."""
+    return None if lease is None else lease.fence
+
+
 def fetch_newest_valid(run_uri: str, storage, local_root: Path, *, contract: ResumeContract | None = None,
                        key: bytes | None = None, lease=None) -> Restored | None:
     """Download the newest committed checkpoint that verifies into local_root/step-N; None if none.
@@ -301,12 +341,13 @@ def fetch_newest_valid(run_uri: str, storage, local_root: Path, *, contract: Res
         if key is not None:
             verify_signature(key, uri, manifest)
         dest = local_root / f"step-{step}"
-        try:
-            fetch_artifact(uri, dest, storage)
+        try:  # the manifest read and verified above drives the downloads: it is not read again
+            fetch_artifact(uri, dest, storage, manifest=manifest)
         except ArtifactError as e:
             log.warning("skipping checkpoint %s: %s", uri, e)
             _quarantine(run_uri, step, storage, str(e), lease)
             continue
+        check_local_copy(dest, manifest)
         for p in dest.rglob("*"):  # a verified copy, read-only from here to DeepSpeed's torch.load
             if p.is_file():
                 p.chmod(0o444)
@@ -418,7 +459,11 @@ def prepare_attempt(run_staging: Path, attempt_staging: Path, run_uri: str, stor
         uri = layout.checkpoint_uri(run_uri, p.step)
         log.info("pushing checkpoint step-%d that attempt %s saved but did not push", p.step,
                  p.local_dir.parent.parent.name)
-        _push(p, storage, key)
+        try:
+            _push(p, storage, key, before_commit=_fence(lease))
+        except ArtifactConflict as e:  # the store's committed step wins; this copy is kept aside
+            _quarantine_local(run_staging, p, str(e))
+            continue
         pushed.append(p.step)
         (p.local_dir / PENDING).unlink()
         log.info("pushed checkpoint %s (left over from an earlier attempt)", uri)
@@ -432,10 +477,24 @@ def prepare_attempt(run_staging: Path, attempt_staging: Path, run_uri: str, stor
     return pushed
 
 
-def _push(p: Pending, storage, key: bytes) -> Manifest:
+def _quarantine_local(run_staging: Path, p: Pending, reason: str) -> Path:
+    """An earlier attempt's unpushed copy of a step the store already holds with other content (a
+    writer that was fenced out late, a timeline redone): the committed one is kept, this copy is
+    moved to `<run staging>/quarantine/` for a person, out of every later attempt's way."""
+    dest = run_staging / QUARANTINE / f"step-{p.step}-{p.local_dir.parent.parent.name}-{int(time.time())}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    (p.local_dir / PENDING).rename(p.local_dir / "QUARANTINED.pending.json")
+    (p.local_dir / "QUARANTINED.txt").write_text(reason + "\n")
+    shutil.move(str(p.local_dir), dest)
+    log.warning("checkpoint step-%d saved by attempt %s conflicts with the committed one; kept the committed "
+                "one, moved this copy to %s: %s", p.step, p.local_dir.parent.parent.name, dest, reason)
+    return dest
+
+
+def _push(p: Pending, storage, key: bytes, before_commit: Callable[[], None] | None = None) -> Manifest:
     return publish_artifact(p.local_dir, layout.checkpoint_uri(p.run_uri, p.step), kind=KIND, config=p.config,
                             inputs=p.inputs, counts={}, extra={"step": p.step, **p.extra}, storage=storage,
-                            seal=lambda uri, content: {"signature": signature(key, uri, content)})
+                            seal=lambda m: {"signature": signature(key, m.uri, m)}, before_commit=before_commit)
 
 
 @dataclass(frozen=True)
@@ -471,17 +530,31 @@ class CheckpointUploader:
         saves): called on the upload thread before anything else, returns once every rank's files
         are complete; only then is the pending marker written, so a crash while the files are
         still being written leaves nothing that a later attempt would push."""
-        self.raise_if_failed()
-        _check_lease(self.lease)
         p = Pending(step, local_dir, self.run_uri, self.config, self.inputs, extra)
         if ready is None:
-            p.write()  # from here a crash leaves it for the next attempt to push
+            p.write()  # first: a push that fails (or a crash) from here leaves it for the next attempt
+        try:
+            self.raise_if_failed()
+            _check_lease(self.lease)
+        except BaseException:
+            if ready is not None:  # async: mark it once its files are complete, then stop
+                self._mark_when_ready(p, ready)
+            raise
         while True:
             try:
                 self._q.put((p, ready), timeout=1.0)
                 return
             except queue.Full:
                 self.raise_if_failed()
+
+    @staticmethod
+    def _mark_when_ready(p: Pending, ready: Callable[[], None]) -> None:
+        try:
+            ready()
+        except Exception as e:  # noqa: BLE001 - its files never completed: nothing to keep
+            log.warning("checkpoint %s was not written completely (%s); not kept for the next attempt", p.local_dir, e)
+            return
+        p.write()
 
     def close(self) -> None:
         """Wait for every queued upload; raise if any failed."""
@@ -515,10 +588,18 @@ class CheckpointUploader:
                     log.error("checkpoint uploader stops: %s", self._fatal)
                     return
                 p.write()  # every rank's files are complete: from here a crash leaves it for the next attempt
+            displaced = False
             while True:
                 try:
                     _check_lease(self.lease)
-                    _push(p, self.storage, self.key)
+                    try:
+                        _push(p, self.storage, self.key, before_commit=_fence(self.lease))
+                    except ArtifactConflict:
+                        if self.lease is None or displaced:  # no lease proves the run is ours; or twice
+                            raise
+                        self._displace(p.step)
+                        displaced = True
+                        _push(p, self.storage, self.key, before_commit=_fence(self.lease))
                     _check_lease(self.lease)
                     write_latest(layout.checkpoints_uri(self.run_uri), uri, self.storage, replace=True)
                 except LeaseLost as e:
@@ -553,6 +634,13 @@ class CheckpointUploader:
                 return
             except Exception:  # noqa: BLE001 - pruning is housekeeping; the next push prunes again
                 log.warning("pruning after %s failed", uri, exc_info=True)
+
+    def _displace(self, step: int) -> None:
+        """A checkpoint of `step` committed by someone else since this trainer resumed: a fenced-out
+        writer's late commit. With the lease proved (fence), it is moved aside, never deleted."""
+        self.lease.fence()
+        _quarantine(self.run_uri, step, self.storage, f"committed by another writer while {self.lease.holder} held "
+                    f"the run lease; replaced by the holder's own step-{step}", self.lease)
 
     def _prune(self, newest: int) -> None:
         """Keep the newest keep_last committed checkpoints; drop older ones and stale partials."""

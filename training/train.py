@@ -204,6 +204,13 @@ def broadcast(obj, src: int = 0, group=None):
     return box[0]
 
 
+def agreed_staging(staging: Path, group=None) -> Path:
+    """Rank 0's attempt directory on every rank (its attempt id names the lease holder too): agents
+    of one launch may count restarts differently, and a rank writing elsewhere would leave its
+    checkpoint markers where rank 0 never looks."""
+    return Path(broadcast(str(staging), group=group))
+
+
 def gather_all(value, group=None) -> list:
     import torch.distributed as dist
 
@@ -375,6 +382,7 @@ class Trainer:
         # Long transfers wait on this CPU group, whose timeout is sized to them; the NCCL group
         # keeps its short timeout for compute collectives.
         self.io_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=t.io_timeout_s))
+        plan.staging = agreed_staging(plan.staging, self.io_group)
         log.info("settings: precision=%s attention_backend=%s fast_kernels=%s grad_accum_dtype=%s device=%s "
                  "compile_layers=%s sync_free_attention=%s pin_memory=%s async_checkpoint=%s "
                  "fused_wgrad_accumulation=%s fp8=%s",

@@ -111,15 +111,17 @@ class DockerTrainOperator(_TrainStage, DockerOperator):
         host = Path(self.settings.shared_volume) / d.relative_to(staging) if self.settings.shared_volume else d
         return str(host / "credentials")
 
-    def _take_over_previous(self) -> None:
+    def _take_over_previous(self, cfg: Any) -> bool:
         """One trainer per run: a container with this run's name is the previous attempt's. A
-        running one is waited for (its logs follow); a stopped one is removed after its logs."""
+        running one is waited for (its logs follow; True: adopted); a stopped one is removed after
+        its logs. Either way the per-attempt credentials file it was started with goes with it."""
         name = self.container_name
         found = self.cli.containers(all=True, filters={"name": f"^/{name}$"})
         if not found:
-            return
+            return False
         c = found[0]
-        if c.get("State") == "running":
+        adopted = c.get("State") == "running"
+        if adopted:
             self.log.warning("container %s (%s) of this run is still running: waiting for it instead of "
                              "starting a second trainer", name, c["Id"][:12])
             for chunk in self.cli.logs(c["Id"], stream=True, follow=True, tail=50):
@@ -129,19 +131,49 @@ class DockerTrainOperator(_TrainStage, DockerOperator):
             tail = self.cli.logs(c["Id"], tail=50).decode(errors="replace")
             self.log.info("removing stopped container %s of a previous attempt; its last lines:\n%s", name, tail)
         self.cli.remove_container(c["Id"], force=True)
+        self._remove_previous_secret(c, cfg)
+        return adopted
+
+    def _remove_previous_secret(self, container: dict[str, Any], cfg: Any) -> None:
+        """The credentials file an earlier attempt wrote for `container` (under the staging's
+        `secrets/`; never the deployment's own file): its writer may have died before removing it."""
+        staging = uris.to_local_path(cfg.pipeline.staging_uri)
+        host_root = Path(self.settings.shared_volume) if self.settings.shared_volume else staging
+        for m in container.get("Mounts") or []:
+            if m.get("Destination") != launchers.CONTAINER_CREDENTIALS or not m.get("Source"):
+                continue
+            try:
+                rel = Path(m["Source"]).relative_to(host_root)
+            except ValueError:
+                continue  # not one this operator writes (the deployment's secret file)
+            path = staging / rel
+            if rel.parts[:1] != ("secrets",) or rel.name != "credentials" or path == self._secret_file:
+                continue
+            path.unlink(missing_ok=True)
+            try:
+                path.parent.rmdir()
+            except OSError:
+                pass
+            self.log.info("removed the credentials file %s of the previous attempt's container", path)
 
     def execute(self, context: Any) -> dict[str, Any]:
+        launched = False
         if not self._begin_training(context):
             cfg = self._config()
             self.prepare(cfg)
-            self._take_over_previous()
-            if self._store.manifest(self._plan.model_uri) is None:  # the waited-for trainer may have finished
-                prefetch_base_model(cfg, self.log)
-                try:
+            self.environment.update(launchers.attempt_env(context))
+            try:
+                adopted = self._take_over_previous(cfg)
+                self._manifest = self._store.manifest(self._plan.model_uri)
+                if self._manifest is None:  # the waited-for trainer may have finished
+                    prefetch_base_model(cfg, self.log)
+                    launched = True
                     super().execute(context)
-                finally:
-                    self._remove_secret()
-        return self._finish(context, reused=False).model_dump()
+                elif adopted:
+                    self.log.info("the adopted container of a previous attempt committed the model")
+            finally:
+                self._remove_secret()
+        return self._finish(context, reused=not launched).model_dump()
 
     def _remove_secret(self) -> None:
         if self._secret_file is not None:
@@ -317,6 +349,9 @@ class KubernetesTrainOperator(_TrainStage, KubernetesJobOperator):
             return self._finish(context, reused=True).model_dump()
         cfg = self._config()
         self.prepare(cfg)
+        from kubernetes.client import models as k8s
+
+        self.env_vars += [k8s.V1EnvVar(name=k, value=v) for k, v in launchers.attempt_env(context).items()]
         prefetch_base_model(cfg, self.log)
         super().execute(context)  # defers: the triggerer waits for the Job; execute_complete resumes
         return self._finish(context, reused=False).model_dump()

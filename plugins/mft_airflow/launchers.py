@@ -66,6 +66,16 @@ def agent_argv(plan: RunPlan, settings: DeploySettings, *, launcher: list[str], 
             f"--rdzv-id={plan.run_id}", *module]
 
 
+def attempt_env(context: Any) -> dict[str, str]:
+    """MFT_ATTEMPT_ID for this Airflow try: `<dag run id>-try<N>`. Every launcher passes it to every
+    node of the launch, so each try gets its own staging directory and per-rank checkpoint markers
+    (the trainer adds torchrun's restart count; training/lease.py `attempt_id`). Without it every
+    try of a multi-node run had the rendezvous id `<run_id>-r0`."""
+    ti = context["ti"]
+    run_id = getattr(ti, "run_id", None) or context.get("run_id") or "run"
+    return {"MFT_ATTEMPT_ID": f"{run_id}-try{ti.try_number}"}
+
+
 def store_credentials(cfg: Config) -> dict[str, str]:
     """Object-store credentials from the Airflow connection if the config names one, else from
     the worker's environment; empty for a local store."""

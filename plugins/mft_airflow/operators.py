@@ -237,15 +237,18 @@ class TrainOperator(_TrainStage, BaseOperator):
         self.command = local_command(TEMPLATED_PLAN, settings)
         self._hook: Any = None
 
-    def build_hook(self) -> Any:
+    def build_hook(self, context: Any = None) -> Any:
         from plugins.mft_airflow.hooks import LocalTrainHook
-        from plugins.mft_airflow.launchers import local_env
+        from plugins.mft_airflow.launchers import attempt_env, local_env
 
-        return LocalTrainHook(list(self.command), local_env(self._config(), self.settings), str(REPO_ROOT))
+        env = local_env(self._config(), self.settings)
+        if context is not None:  # this try's own attempt id (not one the worker's environment carries)
+            env.update(attempt_env(context))
+        return LocalTrainHook(list(self.command), env, str(REPO_ROOT))
 
     def execute(self, context: Any) -> dict[str, Any]:
         if not self._begin_training(context):
-            self._hook = self.build_hook()
+            self._hook = self.build_hook(context)
             self._hook.run()
         return self._finish(context, reused=self._hook is None).model_dump()
 
