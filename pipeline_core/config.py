@@ -175,6 +175,47 @@ class EnrichSection(SparkStageSection):
         return self
 
 
+EVAL_TEXT_FIELDS = ("question", "prompt", "problem", "input")
+EVAL_ANSWER_FIELDS = ("answer", "solution", "output", "target")
+
+
+class EvalSetSpec(Section):
+    """One evaluation set the filter decontaminates against (spark_jobs/decontaminate.py): a JSONL or
+    Parquet file, or a directory of them, whose text fields are matched against training prompts."""
+
+    uri: str = Field(description="file:// or s3:// URI of a .jsonl/.json/.parquet file or a directory of them")
+    name: str | None = Field(None, description="Name in rejects, manifest and report (default: the file's stem)")
+    fields: list[str] = Field(default_factory=lambda: list(EVAL_TEXT_FIELDS),
+                              description="Text fields of an eval document (those present are used; one must be)")
+    answer_fields: list[str] = Field(default_factory=lambda: list(EVAL_ANSWER_FIELDS),
+                                     description="With filter.decontaminate_answers: the eval documents' answer fields")
+    id_field: str = Field("id", description="The document id field (absent: sha256 of the document's text)")
+    format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="auto: from the file extension")
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        v = uris.require_uri(v, "filter.decontaminate[].uri")
+        if uris.scheme_of(v) not in ("file", "s3"):
+            raise ValueError(f"{v!r}: eval sets are read from file:// or s3:// (copy hub or HDFS data there first)")
+        return v.rstrip("/")
+
+    @field_validator("fields")
+    @classmethod
+    def _fields(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("give at least one text field, e.g. ['question']")
+        return v
+
+    @model_validator(mode="after")
+    def _name(self) -> EvalSetSpec:
+        if self.name is None:
+            stem = uris.name(self.uri).split(".")[0] or "eval"
+            object.__setattr__(self, "name", stem)
+        uris.safe_component(self.name, "filter.decontaminate[].name")
+        return self
+
+
 class FilterSection(SparkStageSection):
     """Similarity filter, deduplication, split, tokenize and pack (spark_jobs/similarity_filter.py)."""
 
@@ -233,10 +274,29 @@ class FilterSection(SparkStageSection):
     pack_buffer_docs: int = Field(20_000, ge=1, le=10_000_000, description="Documents packed together (best-fit decreasing)")
     shard_tokens: int = Field(1 << 25, ge=1024, description="Target tokens per output parquet file")
 
+    # decontamination against evaluation sets (spark_jobs/decontaminate.py; docs/evaluation.md)
+    decontaminate: list[EvalSetSpec] = Field(
+        default_factory=list, description="Evaluation sets: a record sharing an n-gram with one of their documents "
+        "is rejected as 'contaminated' (empty = off)")
+    decontam_ngram: int = Field(13, ge=3, le=64, description="n of the shared normalised-token n-grams")
+    decontam_threshold: float = Field(
+        0.0, ge=0.0, lt=1.0, description="A record is contaminated by an eval document when more than this share of "
+        "the document's n-grams occur in it (0: any one shared n-gram)")
+    decontaminate_answers: bool = Field(False, description="Match the records' answers too (against the eval "
+                                        "documents' text and answer fields)")
+    decontam_min_tokens: int = Field(
+        8, ge=1, le=64, description="An eval document shorter than decontam_ngram tokens matches as a whole "
+        "token sequence when it has at least this many tokens (shorter ones are ignored, counted)")
+
     @model_validator(mode="after")
     def _lsh(self) -> FilterSection:
         if self.lsh_min_band_matches > self.lsh_bands:
             raise ValueError(f"lsh_min_band_matches={self.lsh_min_band_matches} > lsh_bands={self.lsh_bands}")
+        names = [e.name for e in self.decontaminate]
+        if len(set(names)) != len(names):
+            raise ValueError(f"decontaminate: eval set names {names} must be unique (set 'name' on each)")
+        if self.decontam_min_tokens > self.decontam_ngram:
+            raise ValueError(f"decontam_min_tokens={self.decontam_min_tokens} > decontam_ngram={self.decontam_ngram}")
         return self
 
 

@@ -36,6 +36,27 @@ class TokenizerSpec(_Handoff):
     chat_template: str | None = Field(None, description="Jinja chat template equivalent to the rendering used")
 
 
+class EvalSetCount(_Handoff):
+    """One eval set the filter decontaminated against: what it was (URI, content hash) and what it removed."""
+
+    name: str
+    uri: str
+    sha256: str = Field(description="sha256 over the set's files' names and sha256s")
+    files: int = Field(ge=0)
+    documents: int = Field(ge=0)
+    documents_too_short: int = Field(0, ge=0, description="documents under filter.decontam_min_tokens (never matched)")
+    rows_removed: int = Field(ge=0, description="records rejected as 'contaminated' naming this set")
+
+
+class DecontamInfo(_Handoff):
+    """The decontamination's settings and per-set counts (spark_jobs/decontaminate.py)."""
+
+    ngram: int
+    threshold: float
+    answers: bool
+    eval_sets: tuple[EvalSetCount, ...] = ()
+
+
 class TrainReadyInfo(_Handoff):
     """What the filter stage promises about a train-ready artifact (manifest `extra`)."""
 
@@ -48,6 +69,7 @@ class TrainReadyInfo(_Handoff):
     packing_efficiency: float | None = None
     train_on: str | None = None
     prompt_context: str | None = None
+    decontamination: DecontamInfo | None = None
 
     def to_extra(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
