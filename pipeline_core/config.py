@@ -433,6 +433,37 @@ class TrainSection(Section):
         return self
 
 
+class EvalTaskSpec(Section):
+    """One lm-evaluation-harness task run on the exported model after training (training/benchmarks.py)."""
+
+    task: str = Field(description="A harness task name, or the `task:` name of the local YAML task in `yaml`")
+    yaml: str | None = Field(None, description="file:// or s3:// URI of a local YAML task (its data_files are "
+                                                "resolved next to it); None: the harness's own task")
+    num_fewshot: int = Field(0, ge=0, le=64)
+    limit: int | None = Field(None, ge=1, description="Documents scored (None: all)")
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, v: str) -> str:
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$", v):
+            raise ValueError(f"{v!r}: a task name is letters, digits, '_', '-', '.'")
+        return v
+
+    @field_validator("yaml")
+    @classmethod
+    def _yaml(cls, v: str | None) -> str | None:
+        return None if v is None else uris.require_uri(v, "release.eval_tasks[].yaml")
+
+
+class PromoteMetric(Section):
+    """A benchmark score promotion compares: the new model's may not be worse than the promoted one's by more than min_delta."""
+
+    task: str
+    metric: str = Field(description="The harness metric, e.g. 'acc' or 'acc_norm' (filter suffix optional: 'acc,none')")
+    min_delta: float = Field(0.0, ge=0.0, description="Allowed drop (in the metric's units) before promotion is refused")
+    higher_is_better: bool = True
+
+
 class ReleaseSection(Section):
     """The gates between a dataset and a published model: a human approval before training
     (`require_approval`) and an evaluation before `models/LATEST` moves (docs/orchestration.md)."""
@@ -444,6 +475,25 @@ class ReleaseSection(Section):
     force_promote: bool = Field(False, description="Move models/LATEST even when the new model evaluates worse")
     eval_max_rows: int | None = Field(256, ge=1, description="Packed val rows both models are evaluated on (null = all)")
     eval_device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="Where the promotion eval runs")
+    # benchmarks after training and promotion on their scores (training/benchmarks.py, docs/evaluation.md)
+    eval_tasks: list[EvalTaskSpec] = Field(
+        default_factory=list, description="lm-evaluation-harness tasks run on the exported model (runs/<run>/eval/)")
+    eval_batch_size: int = Field(8, ge=1, le=4096, description="Batch size of the harness's HF backend")
+    promote_on: Literal["val_loss"] | list[PromoteMetric] = Field(
+        "val_loss", description="val_loss (the new model's val loss vs LATEST's on the same rows), or benchmark "
+        "metrics of release.eval_tasks that may not get worse than LATEST's by more than their min_delta")
+
+    @model_validator(mode="after")
+    def _promote_on_tasks(self) -> ReleaseSection:
+        if isinstance(self.promote_on, list):
+            if not self.promote_on:
+                raise ValueError("promote_on: give 'val_loss' or at least one {task, metric, min_delta}")
+            tasks = {t.task for t in self.eval_tasks}
+            missing = sorted({m.task for m in self.promote_on} - tasks)
+            if missing:
+                raise ValueError(f"promote_on names tasks {missing} that release.eval_tasks does not run; "
+                                 f"add them to eval_tasks (it runs {sorted(tasks)})")
+        return self
 
 
 class Config(BaseModel):

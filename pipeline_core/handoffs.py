@@ -77,3 +77,45 @@ class TrainReadyInfo(_Handoff):
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> TrainReadyInfo:
         return cls.model_validate(manifest.extra or {})
+
+
+class MetricScore(_Handoff):
+    value: float | None
+    stderr: float | None = None
+
+
+class TaskScores(_Handoff):
+    """One lm-evaluation-harness task's scores on a model (training/benchmarks.py)."""
+
+    task: str
+    num_fewshot: int
+    limit: int | None = None
+    samples: int = Field(ge=0, description="documents scored")
+    metrics: dict[str, MetricScore] = Field(default_factory=dict, description="'<metric>,<filter>' -> score")
+    higher_is_better: dict[str, bool] = Field(default_factory=dict, description="metric name -> direction")
+    yaml_sha256: str | None = Field(None, description="sha256 of the local YAML task, when the task is one")
+
+
+class BenchmarkResults(_Handoff):
+    """What a run's `eval/` artifact promises (its manifest `extra`): scores per task of one model."""
+
+    model_uri: str
+    model_manifest_sha256: str
+    harness_version: str
+    tasks: tuple[TaskScores, ...] = ()
+
+    def to_extra(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> BenchmarkResults:
+        return cls.model_validate(manifest.extra or {})
+
+    def score(self, task: str, metric: str) -> MetricScore | None:
+        """`metric` as '<name>' (first filter reporting it) or '<name>,<filter>'."""
+        t = next((t for t in self.tasks if t.task == task), None)
+        if t is None:
+            return None
+        if metric in t.metrics:
+            return t.metrics[metric]
+        return next((v for k, v in sorted(t.metrics.items()) if k.split(",")[0] == metric), None)

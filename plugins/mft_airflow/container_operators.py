@@ -26,7 +26,7 @@ from airflow.sdk.exceptions import AirflowException
 
 from pipeline_core import uris
 from plugins.mft_airflow import launchers
-from plugins.mft_airflow.operators import TEMPLATED_PLAN, _TrainStage, plan_field
+from plugins.mft_airflow.operators import TEMPLATED_PLAN, _EvalStage, _TrainStage, plan_field
 from plugins.mft_airflow.settings import DeploySettings
 
 
@@ -135,8 +135,9 @@ class DockerTrainOperator(_TrainStage, DockerOperator):
             cfg = self._config()
             self.prepare(cfg)
             self._take_over_previous()
-            if self._store.manifest(self._plan.model_uri) is None:  # the waited-for trainer may have finished
-                prefetch_base_model(cfg, self.log)
+            if self._store.manifest(getattr(self._plan, self.output_field)) is None:  # the waited-for one may have finished
+                if self.prefetch_base:
+                    prefetch_base_model(cfg, self.log)
                 try:
                     super().execute(context)
                 finally:
@@ -317,7 +318,8 @@ class KubernetesTrainOperator(_TrainStage, KubernetesJobOperator):
             return self._finish(context, reused=True).model_dump()
         cfg = self._config()
         self.prepare(cfg)
-        prefetch_base_model(cfg, self.log)
+        if self.prefetch_base:
+            prefetch_base_model(cfg, self.log)
         super().execute(context)  # defers: the triggerer waits for the Job; execute_complete resumes
         return self._finish(context, reused=False).model_dump()
 
@@ -325,3 +327,27 @@ class KubernetesTrainOperator(_TrainStage, KubernetesJobOperator):
         super().execute_complete(context, event, **kwargs)
         self._begin(context)
         return self._finish(context, reused=False).model_dump()
+
+
+# ------------------------------------------------------------------------------------- benchmarks
+
+
+class DockerEvalOperator(_EvalStage, DockerTrainOperator):
+    """lm-evaluation-harness on the exported model in the trainer's image and GPUs (one container)."""
+
+    def __init__(self, *, settings: DeploySettings, **kwargs: Any):
+        super().__init__(settings=settings, **kwargs)
+        self.command = launchers.eval_argv(TEMPLATED_PLAN, ["python"])
+        self.container_name = plan_field("trainer_name") + "-eval"
+
+
+class KubernetesEvalOperator(_EvalStage, KubernetesTrainOperator):
+    """lm-evaluation-harness as a one-pod Job in the trainer's image, resources and placement."""
+
+    def __init__(self, *, settings: DeploySettings, **kwargs: Any):
+        super().__init__(settings=settings, **kwargs)
+        argv = launchers.eval_argv(TEMPLATED_PLAN, ["python"])
+        self.cmds, self.arguments = argv[:1], argv[1:]
+        self.name = plan_field("trainer_name") + "-eval"
+        self.labels = {**(self.labels or {}), "mft-run": self.name}
+        self.completions = self.parallelism = 1
