@@ -74,13 +74,33 @@ def make_cfg(root: Path, eval_uri: str, **extra):
 
 
 @pytest.fixture(scope="module")
-def decon(spark, tmp_path_factory):
-    from spark_jobs.similarity_filter import run
-
+def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("decon")
     eval_uri = write_eval_set(root / "tiny_eval.jsonl")
-    cfg = make_cfg(root, eval_uri)
-    table = enriched_table([*KEEP, *PLANTED.values(), *KEPT.values()])
+    return SimpleNamespace(root=root, eval_uri=eval_uri, cfg=make_cfg(root, eval_uri),
+                           table=enriched_table([*KEEP, *PLANTED.values(), *KEPT.values()]))
+
+
+def contaminated_keys(spark, setup, cfg, explain: list | None = None) -> set[str]:
+    """The eval side and the join alone (no stage run): keys the eval set contaminates."""
+    from pyspark.sql import functions as F
+
+    sets = dc.resolve_eval_sets(cfg.filter.decontaminate, None)
+    prep = dc.prepare(spark, sets, cfg.filter, setup.root / "dl", None, lambda df: df)
+    rows = spark.createDataFrame(setup.table.select(["id", "messages"]).to_pandas()).select(
+        F.col("id").alias("_key"), F.to_json("messages").alias("_messages_json"))
+    rows = rows.select("_key", dc.record_grams(F.col("_messages_json"), cfg.filter, prep.short_lengths).alias("_grams"))
+    hit = dc.contaminated(rows, prep.docs, cfg.filter, ["tiny"])
+    if explain is not None:
+        explain.append(hit._jdf.queryExecution().executedPlan().toString())
+    return {r["_key"] for r in hit.collect()}
+
+
+@pytest.fixture(scope="module")
+def decon(spark, setup):
+    from spark_jobs.similarity_filter import run
+
+    root, eval_uri, cfg, table = setup.root, setup.eval_uri, setup.cfg, setup.table
     in_uri = uris.join(cfg.pipeline.store_uri, "datasets", "t", "enriched", "e1")
     publish_enriched(table, root / "enriched", in_uri)
     out_uri = uris.join(cfg.pipeline.store_uri, "datasets", "t", "train", "f1")
@@ -127,32 +147,21 @@ def test_counts_add_up_and_manifest_names_the_eval_set(decon):
     assert decon.manifest.config["eval_sets"] == [{"name": "tiny", "uri": decon.eval_uri, "sha256": s["sha256"]}]
 
 
-def test_answers_are_matched_when_asked(spark, decon):
-    """With decontaminate_answers the record whose answer is q-answer's answer is contaminated."""
-    from pyspark.sql import functions as F
-
-    cfg = make_cfg(decon.root, decon.eval_uri, decontaminate_answers=True)
-    sets = dc.resolve_eval_sets(cfg.filter.decontaminate, None)
-    prep = dc.prepare(spark, sets, cfg.filter, decon.root / "dl", None, lambda df: df)
-    rows = spark.createDataFrame(decon.table.select(["id", "messages"]).to_pandas()).select(
-        F.col("id").alias("_key"), F.to_json("messages").alias("_messages_json"))
-    rows = rows.select("_key", dc.record_grams(F.col("_messages_json"), cfg.filter, prep.short_lengths).alias("_grams"))
-    hit = dc.contaminated(rows, prep.docs, cfg.filter, ["tiny"])
-    assert {r["_key"] for r in hit.collect()} == {*PLANTED, "k-answer"}
+def test_join_finds_the_planted_records_only(spark, setup):
+    assert contaminated_keys(spark, setup, setup.cfg) == set(PLANTED)
 
 
-def test_plan_is_an_equi_join_without_cartesian_product(spark, decon):
-    from pyspark.sql import functions as F
+def test_answers_are_matched_when_asked(spark, setup):
+    """With decontaminate_answers the record whose answer is q-answer's answer is contaminated too."""
+    cfg = make_cfg(setup.root, setup.eval_uri, decontaminate_answers=True)
+    assert contaminated_keys(spark, setup, cfg) == {*PLANTED, "k-answer"}
 
-    sets = dc.resolve_eval_sets(decon.cfg.filter.decontaminate, None)
-    prep = dc.prepare(spark, sets, decon.cfg.filter, decon.root / "dl", None, lambda df: df)
-    rows = spark.createDataFrame(decon.table.select(["id", "messages"]).to_pandas()).select(
-        F.col("id").alias("_key"), F.to_json("messages").alias("_messages_json"))
-    rows = rows.select("_key", dc.record_grams(F.col("_messages_json"), decon.cfg.filter, ()).alias("_grams"))
-    hit = dc.contaminated(rows, prep.docs, decon.cfg.filter, ["tiny"])
-    plan = hit._jdf.queryExecution().executedPlan().toString()
-    assert "CartesianProduct" not in plan and "BroadcastNestedLoopJoin" not in plan
-    assert "SortMergeJoin" in plan or "BroadcastHashJoin" in plan or "ShuffledHashJoin" in plan
+
+def test_plan_is_an_equi_join_without_cartesian_product(spark, setup):
+    plans: list[str] = []
+    contaminated_keys(spark, setup, setup.cfg, plans)
+    assert "CartesianProduct" not in plans[0] and "BroadcastNestedLoopJoin" not in plans[0]
+    assert "SortMergeJoin" in plans[0] or "BroadcastHashJoin" in plans[0] or "ShuffledHashJoin" in plans[0]
 
 
 def test_bad_eval_sets_are_refused_before_compute(tmp_path):
