@@ -172,3 +172,28 @@ def test_bad_eval_sets_are_refused_before_compute(tmp_path):
     cfg = make_cfg(tmp_path, uris.qualify(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="has no .jsonl/.json/.parquet files"):
         dc.resolve_eval_sets(cfg.filter.decontaminate, None)
+
+
+def test_an_eval_set_on_s3_is_hashed_then_fetched_and_checked(s3_server, s3_bucket_uri, tmp_path):
+    """A directory of JSONL files in the object store: listed and hashed before compute, copied for
+    Spark with each file checked against that hash; a file replaced in between is refused."""
+    from pipeline_core.store import open_store
+
+    src = tmp_path / "a.jsonl"
+    write_eval_set(src)
+    prefix = uris.join(s3_bucket_uri, "evals", "tiny")
+    store, key = open_store(prefix, s3_server.storage)
+    store.put_file(f"{key}/a.jsonl", src)
+    store.put_bytes(f"{key}/b.jsonl", b'{"id": "x", "question": "one more question"}\n')
+    store.put_bytes(f"{key}/README.md", b"not an eval file")
+    cfg = make_cfg(tmp_path, prefix)
+    cfg.storage = s3_server.storage
+    (es,) = dc.resolve_eval_sets(cfg.filter.decontaminate, cfg.storage)
+    assert [uris.name(f.uri) for f in es.files] == ["a.jsonl", "b.jsonl"] and es.format == "jsonl"
+    paths = dc.local_eval_files(es, tmp_path / "dl", cfg.storage)
+    assert [uris.to_local_path(p).read_bytes() for p in paths][0] == src.read_bytes()
+    store.put_bytes(f"{key}/b.jsonl", b'{"id": "x", "question": "changed"}\n')
+    from pipeline_core.store import ChecksumMismatch
+
+    with pytest.raises((ChecksumMismatch, ValueError)):
+        dc.local_eval_files(es, tmp_path / "dl2", cfg.storage)
