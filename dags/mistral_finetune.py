@@ -1,5 +1,5 @@
 """mistral_finetune: enrich (Spark) -> similarity filter + pack (Spark) -> data report -> [approval] -> train
-(DeepSpeed) -> publish (evaluation-gated, forward-only models/LATEST).
+(DeepSpeed) -> evaluate (lm-evaluation-harness) -> publish (evaluation-gated, forward-only models/LATEST).
 
 Thin on purpose: the logic lives in `plugins.mft_airflow` and in the stage commands. Scheduled runs
 and backfills take their dataset version from the logical date; manual runs from the
@@ -20,7 +20,7 @@ from airflow.sdk import DAG, AssetAlias, Param, TriggerRule
 
 from plugins.mft_airflow.docs import TASK_DOCS
 from plugins.mft_airflow.gates import ApprovalGateOperator, DataReportOperator
-from plugins.mft_airflow.operators import SparkStageOperator, log_failure, train_operator
+from plugins.mft_airflow.operators import SparkStageOperator, eval_operator, log_failure, train_operator
 from plugins.mft_airflow.params import param_specs
 from plugins.mft_airflow.settings import load_settings
 from plugins.mft_airflow.tasks import publish, resolve
@@ -52,6 +52,8 @@ with DAG(
     report = DataReportOperator(task_id="data_report", trigger_rule=TriggerRule.NONE_FAILED, doc_md=TASK_DOCS["data_report"])
     approve = ApprovalGateOperator(task_id="approve", trigger_rule=TriggerRule.NONE_FAILED, retries=0, doc_md=TASK_DOCS["approve"])
     train = train_operator(settings, task_id="train", pool=settings.gpu_pool, trigger_rule=TriggerRule.NONE_FAILED, execution_timeout=timedelta(minutes=settings.train_timeout_min), doc_md=TASK_DOCS["train"])
+    evaluate = eval_operator(settings, task_id="evaluate", pool=settings.gpu_pool, execution_timeout=timedelta(minutes=settings.train_timeout_min), doc_md=TASK_DOCS["evaluate"])
     published = publish.override(execution_timeout=timedelta(minutes=settings.publish_timeout_min), doc_md=TASK_DOCS["publish"])(plan)
 
     plan >> enrich >> filter_ >> report >> approve >> train >> published
+    train >> evaluate >> published  # benchmarks on the exported model before the promotion gate

@@ -220,6 +220,47 @@ class EnrichSection(SparkStageSection):
         return self
 
 
+EVAL_TEXT_FIELDS = ("question", "prompt", "problem", "input")
+EVAL_ANSWER_FIELDS = ("answer", "solution", "output", "target")
+
+
+class EvalSetSpec(Section):
+    """One evaluation set the filter decontaminates against (spark_jobs/decontaminate.py): a JSONL or
+    Parquet file, or a directory of them, whose text fields are matched against training prompts."""
+
+    uri: str = Field(description="file:// or s3:// URI of a .jsonl/.json/.parquet file or a directory of them")
+    name: str | None = Field(None, description="Name in rejects, manifest and report (default: the file's stem)")
+    fields: list[str] = Field(default_factory=lambda: list(EVAL_TEXT_FIELDS),
+                              description="Text fields of an eval document (those present are used; one must be)")
+    answer_fields: list[str] = Field(default_factory=lambda: list(EVAL_ANSWER_FIELDS),
+                                     description="With filter.decontaminate_answers: the eval documents' answer fields")
+    id_field: str = Field("id", description="The document id field (absent: sha256 of the document's text)")
+    format: Literal["auto", "jsonl", "parquet"] = Field("auto", description="auto: from the file extension")
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        v = uris.require_uri(v, "filter.decontaminate[].uri")
+        if uris.scheme_of(v) not in ("file", "s3"):
+            raise ValueError(f"{v!r}: eval sets are read from file:// or s3:// (copy hub or HDFS data there first)")
+        return v.rstrip("/")
+
+    @field_validator("fields")
+    @classmethod
+    def _fields(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("give at least one text field, e.g. ['question']")
+        return v
+
+    @model_validator(mode="after")
+    def _name(self) -> EvalSetSpec:
+        if self.name is None:
+            stem = uris.name(self.uri).split(".")[0] or "eval"
+            object.__setattr__(self, "name", stem)
+        uris.safe_component(self.name, "filter.decontaminate[].name")
+        return self
+
+
 class FilterSection(SparkStageSection):
     """Similarity filter, deduplication, split, tokenize and pack (spark_jobs/similarity_filter.py)."""
 
@@ -281,10 +322,29 @@ class FilterSection(SparkStageSection):
         1000, ge=1, le=100_000, description="Kept documents stored with their conversations (smallest keys) so the "
         "trainer can check that the exported tokenizer's apply_chat_template reproduces them token for token")
 
+    # decontamination against evaluation sets (spark_jobs/decontaminate.py; docs/evaluation.md)
+    decontaminate: list[EvalSetSpec] = content(
+        default_factory=list, description="Evaluation sets: a record sharing an n-gram with one of their documents "
+        "is rejected as 'contaminated' (empty = off)")
+    decontam_ngram: int = content(13, ge=3, le=64, description="n of the shared normalised-token n-grams", trigger=True)
+    decontam_threshold: float = content(
+        0.0, ge=0.0, lt=1.0, description="A record is contaminated by an eval document when more than this share of "
+        "the document's n-grams occur in it (0: any one shared n-gram)", trigger=True)
+    decontaminate_answers: bool = content(False, description="Match the records' answers too (against the eval "
+                                        "documents' text and answer fields)", trigger=True)
+    decontam_min_tokens: int = content(
+        8, ge=1, le=64, description="An eval document shorter than decontam_ngram tokens matches as a whole "
+        "token sequence when it has at least this many tokens (shorter ones are ignored, counted)", trigger=True)
+
     @model_validator(mode="after")
     def _lsh(self) -> FilterSection:
         if self.lsh_min_band_matches > self.lsh_bands:
             raise ValueError(f"lsh_min_band_matches={self.lsh_min_band_matches} > lsh_bands={self.lsh_bands}")
+        names = [e.name for e in self.decontaminate]
+        if len(set(names)) != len(names):
+            raise ValueError(f"decontaminate: eval set names {names} must be unique (set 'name' on each)")
+        if self.decontam_min_tokens > self.decontam_ngram:
+            raise ValueError(f"decontam_min_tokens={self.decontam_min_tokens} > decontam_ngram={self.decontam_ngram}")
         return self
 
 
@@ -421,6 +481,37 @@ class TrainSection(Section):
         return self
 
 
+class EvalTaskSpec(Section):
+    """One lm-evaluation-harness task run on the exported model after training (training/benchmarks.py)."""
+
+    task: str = Field(description="A harness task name, or the `task:` name of the local YAML task in `yaml`")
+    yaml: str | None = Field(None, description="file:// or s3:// URI of a local YAML task (its data_files are "
+                                                "resolved next to it); None: the harness's own task")
+    num_fewshot: int = Field(0, ge=0, le=64)
+    limit: int | None = Field(None, ge=1, description="Documents scored (None: all)")
+
+    @field_validator("task")
+    @classmethod
+    def _task(cls, v: str) -> str:
+        if not re.match(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$", v):
+            raise ValueError(f"{v!r}: a task name is letters, digits, '_', '-', '.'")
+        return v
+
+    @field_validator("yaml")
+    @classmethod
+    def _yaml(cls, v: str | None) -> str | None:
+        return None if v is None else uris.require_uri(v, "release.eval_tasks[].yaml")
+
+
+class PromoteMetric(Section):
+    """A benchmark score promotion compares: the new model's may not be worse than the promoted one's by more than min_delta."""
+
+    task: str
+    metric: str = Field(description="The harness metric, e.g. 'acc' or 'acc_norm' (filter suffix optional: 'acc,none')")
+    min_delta: float = Field(0.0, ge=0.0, description="Allowed drop (in the metric's units) before promotion is refused")
+    higher_is_better: bool = True
+
+
 class ReleaseSection(Section):
     """The gates between a dataset and a published model: a human approval before training
     (`require_approval`) and an evaluation before `models/LATEST` moves (docs/orchestration.md)."""
@@ -432,6 +523,25 @@ class ReleaseSection(Section):
     force_promote: bool = execution(False, description="Move models/LATEST even when the new model evaluates worse")
     eval_max_rows: int | None = execution(256, ge=1, description="Packed val rows both models are evaluated on (null = all)")
     eval_device: str = execution("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="Where the promotion eval runs")
+    # benchmarks after training and promotion on their scores (training/benchmarks.py, docs/evaluation.md)
+    eval_tasks: list[EvalTaskSpec] = execution(
+        default_factory=list, description="lm-evaluation-harness tasks run on the exported model (runs/<run>/eval/)")
+    eval_batch_size: int = execution(8, ge=1, le=4096, description="Batch size of the harness's HF backend")
+    promote_on: Literal["val_loss"] | list[PromoteMetric] = execution(
+        "val_loss", description="val_loss (the new model's val loss vs LATEST's on the same rows), or benchmark "
+        "metrics of release.eval_tasks that may not get worse than LATEST's by more than their min_delta")
+
+    @model_validator(mode="after")
+    def _promote_on_tasks(self) -> ReleaseSection:
+        if isinstance(self.promote_on, list):
+            if not self.promote_on:
+                raise ValueError("promote_on: give 'val_loss' or at least one {task, metric, min_delta}")
+            tasks = {t.task for t in self.eval_tasks}
+            missing = sorted({m.task for m in self.promote_on} - tasks)
+            if missing:
+                raise ValueError(f"promote_on names tasks {missing} that release.eval_tasks does not run; "
+                                 f"add them to eval_tasks (it runs {sorted(tasks)})")
+        return self
 
 
 class Config(BaseModel):

@@ -41,6 +41,27 @@ class TokenizerSpec(_Handoff):
     chat_template: str | None = Field(None, description="Jinja chat template equivalent to the rendering used")
 
 
+class EvalSetCount(_Handoff):
+    """One eval set the filter decontaminated against: what it was (URI, content hash) and what it removed."""
+
+    name: str
+    uri: str
+    sha256: str = Field(description="sha256 over the set's files' names and sha256s")
+    files: int = Field(ge=0)
+    documents: int = Field(ge=0)
+    documents_too_short: int = Field(0, ge=0, description="documents under filter.decontam_min_tokens (never matched)")
+    rows_removed: int = Field(ge=0, description="records rejected as 'contaminated' naming this set")
+
+
+class DecontamInfo(_Handoff):
+    """The decontamination's settings and per-set counts (spark_jobs/decontaminate.py)."""
+
+    ngram: int
+    threshold: float
+    answers: bool
+    eval_sets: tuple[EvalSetCount, ...] = ()
+
+
 class TrainReadyInfo(_Handoff):
     """What the filter stage promises about a train-ready artifact (manifest `extra`)."""
 
@@ -55,6 +76,7 @@ class TrainReadyInfo(_Handoff):
     prompt_context: str | None = None
     render_sample_documents: int = Field(
         0, ge=0, description="documents under data/render_sample/ with their conversations (pipeline_core.render_sample)")
+    decontamination: DecontamInfo | None = None
 
     def to_extra(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
@@ -62,3 +84,45 @@ class TrainReadyInfo(_Handoff):
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> TrainReadyInfo:
         return cls.model_validate(manifest.extra or {})
+
+
+class MetricScore(_Handoff):
+    value: float | None
+    stderr: float | None = None
+
+
+class TaskScores(_Handoff):
+    """One lm-evaluation-harness task's scores on a model (training/benchmarks.py)."""
+
+    task: str
+    num_fewshot: int
+    limit: int | None = None
+    samples: int = Field(ge=0, description="documents scored")
+    metrics: dict[str, MetricScore] = Field(default_factory=dict, description="'<metric>,<filter>' -> score")
+    higher_is_better: dict[str, bool] = Field(default_factory=dict, description="metric name -> direction")
+    yaml_sha256: str | None = Field(None, description="sha256 of the local YAML task, when the task is one")
+
+
+class BenchmarkResults(_Handoff):
+    """What a run's `eval/` artifact promises (its manifest `extra`): scores per task of one model."""
+
+    model_uri: str
+    model_manifest_sha256: str
+    harness_version: str
+    tasks: tuple[TaskScores, ...] = ()
+
+    def to_extra(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> BenchmarkResults:
+        return cls.model_validate(manifest.extra or {})
+
+    def score(self, task: str, metric: str) -> MetricScore | None:
+        """`metric` as '<name>' (first filter reporting it) or '<name>,<filter>'."""
+        t = next((t for t in self.tasks if t.task == task), None)
+        if t is None:
+            return None
+        if metric in t.metrics:
+            return t.metrics[metric]
+        return next((v for k, v in sorted(t.metrics.items()) if k.split(",")[0] == metric), None)

@@ -69,3 +69,8 @@ def report_uri(run: str) -> str:
 def staging_dir(cfg: Config, *parts: str) -> str:
     """A file:// (or shared FS) directory for a stage's local output before it is published."""
     return uris.join(cfg.pipeline.staging_uri, *parts)
+
+
+def eval_uri(run: str) -> str:
+    """The run's benchmark scores (training/benchmarks.py)."""
+    return uris.join(run, "eval")

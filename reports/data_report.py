@@ -170,6 +170,7 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
         doc_lengths_sampled_rows=sampled,
         packing_by_split={s: v.get("packing_efficiency") for s, v in splits.items()},
         example=example, example_split=example_split,
+        decontamination=info.decontamination if info else None,
     )
 
 

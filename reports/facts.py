@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from pydantic import ValidationError
 
 from pipeline_core.artifacts import Manifest
-from pipeline_core.handoffs import IGNORE_INDEX, TrainReadyInfo
+from pipeline_core.handoffs import IGNORE_INDEX, DecontamInfo, TrainReadyInfo
 
 SIM_COLUMNS = ("sim_question_answer", "sim_context_question", "sim_context_answer")
 NEAR_DUPLICATE = "near_duplicate"
@@ -76,10 +76,12 @@ class ReportFacts:
     packing_by_split: dict[str, float | None]
     example: list[Span] = field(default_factory=list)
     example_split: str | None = None
+    decontamination: DecontamInfo | None = None  # the eval sets the filter matched against, rows removed per set
 
     def to_extra(self) -> dict[str, Any]:
         return {"headline": asdict(self.headline), "dataset_version": self.dataset_version,
-                "thresholds": self.thresholds, "near_duplicates_shown": len(self.near_duplicates)}
+                "thresholds": self.thresholds, "near_duplicates_shown": len(self.near_duplicates),
+                "decontamination": self.decontamination.model_dump(mode="json") if self.decontamination else None}
 
 
 def train_ready_info(manifest: Manifest) -> TrainReadyInfo | None:

@@ -20,6 +20,12 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}"
 
+# Evaluation (docs/evaluation.md): the filter decontaminates against the bundled tiny eval set (three of
+# its questions are planted copies of sample records), and the exported model is scored on the same
+# questions as a local lm-evaluation-harness YAML task. Set either variable to "[]" to leave it out.
+export MFT__FILTER__DECONTAMINATE="${MFT__FILTER__DECONTAMINATE:-[{name: tiny_qa, uri: 'file://$ROOT/sample_data/eval/tiny_qa.jsonl'\}]}"
+export MFT__RELEASE__EVAL_TASKS="${MFT__RELEASE__EVAL_TASKS:-[{task: tiny_qa, yaml: 'file://$ROOT/sample_data/eval/tiny_qa.yaml'\}]}"
+
 # The embedded defaults, with the dataset version pinned so that a second `make demo` reuses the
 # committed data artifacts (and trains a new run on them).
 CONF="${DEMO_CONF:-{\"dataset_version\": \"sample\"\}}"

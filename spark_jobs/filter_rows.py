@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
 
     from spark_jobs.common import StageContext
+    from spark_jobs.decontaminate import Decontaminator
 
 MISSING_FIELD = "missing_field"
 LOW_QA_SIMILARITY = "low_qa_similarity"
@@ -160,22 +161,33 @@ def prompts_past_cap(per_prompt: DataFrame, seed: int, cap: int) -> DataFrame:
             .filter(F.col("_cum") > cap).select("_prompt_key"))
 
 
-def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: list | None = None) -> DataFrame:
+def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: list | None = None,
+              decon: Decontaminator | None = None) -> DataFrame:
     """(`_file`, `_row`, `_key`, `reason`, `detail`, `split`) for every row: `reason` null = kept, in
     `split`. Computed on a lean persisted frame (no messages; the conversation UDF runs once). The
-    near-duplicate search's report (method, parameters, measured recall) is appended to `reports`."""
+    near-duplicate search's report (method, parameters, measured recall) and, with `decon`, the
+    decontamination's (rows removed per eval set) are appended to `reports`."""
     from pyspark.sql import functions as F
 
+    from spark_jobs import decontaminate as dc
     from spark_jobs import dedup
     from spark_jobs.split import VAL, split_column
 
+    grams = [dc.record_grams(F.col("_messages_json"), fcfg, decon.short_lengths).alias("_grams")] if decon else []
     lean = ctx.persist(rows.select(
         "id", "_file", "_row", "_key", "_prompt_key", "_text_hash", "_context_key", "_check", "_check_detail",
-        F.concat(F.col("question_embedding"), F.col("answer_embedding")).alias("_vec"),
+        F.concat(F.col("question_embedding"), F.col("answer_embedding")).alias("_vec"), *grams,
     ))
     ok = F.col("_check").isNull()
     marks = lean.filter(~ok).select("_key", F.col("_check").alias("reason"), F.col("_check_detail").alias("detail"))
     eligible = lean.filter(ok)
+    if decon is not None:  # before dedup: every copy of a contaminated record is a contaminated reject
+        hit = ctx.persist(dc.contaminated(eligible, decon.docs, fcfg, [es.spec.name for es in decon.sets]))
+        if reports is not None:
+            reports.append(decon.report(decon.removed_per_set(hit), fcfg))
+        marks = marks.unionByName(hit.select("_key", F.lit(dc.CONTAMINATED).alias("reason"),
+                                             dc.reject_detail().alias("detail")))
+        eligible = eligible.join(hit.select("_key"), "_key", "left_anti").drop("_grams")
     if fcfg.exact_dedup:
         exact = (dedup.mark_exact_duplicates(eligible, key="_key", hash_col="_text_hash", eligible=F.lit(True))
                  .filter(F.col("_exact_rep").isNotNull()))

@@ -40,7 +40,7 @@ from pipeline_core.artifacts import (
     sha256_file,
 )
 from pipeline_core.config import Config, load_config
-from pipeline_core.handoffs import IGNORE_INDEX, TrainReadyInfo
+from pipeline_core.handoffs import IGNORE_INDEX, DecontamInfo, TrainReadyInfo
 from pipeline_core.render_sample import SAMPLE_DIR, SAMPLE_SCHEMA, key_threshold
 from spark_jobs.common import (
     StageContext,
@@ -55,6 +55,8 @@ from spark_jobs.common import (
     setup_logging,
     write_parquet,
 )
+from spark_jobs.decontaminate import EvalSet, resolve_eval_sets
+from spark_jobs.dedup_types import NearDupReport
 from spark_jobs.packing import ROW_SCHEMA, pack_partitions
 from spark_jobs.partitioning import FILTER_ROWS_PER_PARTITION, stage_partitions
 from spark_jobs.render_docs import DOC_SCHEMA, render_partitions
@@ -89,10 +91,15 @@ def _input_paths(input_uri: str, manifest: Manifest, cfg: Config, ctx: StageCont
     return [uris.qualify(local / f["path"]) for f in files]
 
 
-def stage_config(cfg: Config, input_uri: str, input_manifest: Manifest) -> dict[str, Any]:
-    """What determines the artifact's content: recorded in (and hashed into) the manifest."""
-    return {"stage": STAGE, "input": input_uri, "input_manifest_sha256": input_manifest.sha256,
-            "filter": cfg.filter.content_settings()}
+def stage_config(cfg: Config, input_uri: str, input_manifest: Manifest,
+                 eval_sets: Sequence[EvalSet] = ()) -> dict[str, Any]:
+    """What determines the artifact's content: recorded in (and hashed into) the manifest. The eval
+    sets' content hashes are part of it: a changed eval file never matches an artifact made with the old one."""
+    out = {"stage": STAGE, "input": input_uri, "input_manifest_sha256": input_manifest.sha256,
+           "filter": cfg.filter.content_settings()}
+    if eval_sets:
+        out["eval_sets"] = [es.as_config() for es in eval_sets]
+    return out
 
 
 def run(input_uri: str, output_uri: str, cfg: Config, spark=None) -> Manifest:
@@ -102,6 +109,7 @@ def run(input_uri: str, output_uri: str, cfg: Config, spark=None) -> Manifest:
     input_uri = uris.require_uri(input_uri, "--input").rstrip("/")
     output_uri = uris.require_uri(output_uri, "--output").rstrip("/")
     in_manifest = require_manifest(input_uri, cfg.storage, kind=INPUT_KIND)
+    eval_sets = resolve_eval_sets(cfg.filter.decontaminate, cfg.storage)  # listed and hashed before compute
 
     def check_tokenizer() -> None:  # invalid tokenizer settings fail here, before any compute
         try:
@@ -109,15 +117,16 @@ def run(input_uri: str, output_uri: str, cfg: Config, spark=None) -> Manifest:
         except Exception as e:
             raise ValueError(f"filter.tokenizer: cannot load {cfg.filter.tokenizer!r}: {e}") from e
 
-    return run_stage(SPEC, cfg, cfg.filter, output_uri, stage_config(cfg, input_uri, in_manifest),
-                     lambda ctx: _compute(ctx, input_uri, in_manifest, cfg), spark=spark,
+    return run_stage(SPEC, cfg, cfg.filter, output_uri, stage_config(cfg, input_uri, in_manifest, eval_sets),
+                     lambda ctx: _compute(ctx, input_uri, in_manifest, cfg, eval_sets), spark=spark,
                      before_compute=check_tokenizer)
 
 
-def _compute(ctx: StageContext, input_uri: str, in_manifest: Manifest, cfg: Config) -> StageOutput:
+def _compute(ctx: StageContext, input_uri: str, in_manifest: Manifest, cfg: Config,
+             eval_sets: Sequence[EvalSet] = ()) -> StageOutput:
     from pyspark.sql import functions as F
 
-    from spark_jobs import filter_rows
+    from spark_jobs import decontaminate, filter_rows
     from spark_jobs.chat_format import load_tokenizer
 
     fcfg, spark, timer, staging = cfg.filter, ctx.spark, ctx.timer, ctx.staging
@@ -127,8 +136,10 @@ def _compute(ctx: StageContext, input_uri: str, in_manifest: Manifest, cfg: Conf
         df = spark.read.parquet(*_input_paths(input_uri, in_manifest, cfg, ctx))
         n_in = df.count()
         stage_partitions(spark, fcfg.shuffle_partitions, n_in, FILTER_ROWS_PER_PARTITION)
+        decon = (decontaminate.prepare(spark, list(eval_sets), fcfg, download_dir(staging), cfg.storage, ctx.persist)
+                 if eval_sets else None)
         reports: list = []
-        decided = filter_rows.decisions(ctx, filter_rows.keyed(df, fcfg), fcfg, reports)
+        decided = filter_rows.decisions(ctx, filter_rows.keyed(df, fcfg), fcfg, reports, decon)
         j = filter_rows.located(df).join(decided, ["_file", "_row"])  # one row each side: a 1:1 join
         reason, split = F.col("reason"), F.col("split")
         raw = F.when(reason.isNotNull(), F.to_json(F.struct(
@@ -149,15 +160,18 @@ def _compute(ctx: StageContext, input_uri: str, in_manifest: Manifest, cfg: Conf
         info["rows"] = n_in
 
     try:
-        counts, extra = _pack_and_describe(ctx, docs_uri, n_in, cfg, tok)
+        decon_info = next((r for r in reports if isinstance(r, DecontamInfo)), None)
+        counts, extra = _pack_and_describe(ctx, docs_uri, n_in, cfg, tok, decon_info)
         # method, parameters and the recall measured on this data (spark_jobs/dedup.py)
-        extra["near_duplicates"] = reports[0].as_manifest() if reports else None
+        near = [r for r in reports if isinstance(r, NearDupReport)]
+        extra["near_duplicates"] = near[0].as_manifest() if near else None
         return StageOutput(counts, extra, inputs=(input_uri,))
     finally:
         clean_staging(uris.to_local_path(docs_uri))
 
 
-def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config, tok) -> tuple[dict, dict]:
+def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config, tok,
+                       decon: DecontamInfo | None = None) -> tuple[dict, dict]:
     from pyspark.sql import functions as F
 
     fcfg, spark, timer, staging = cfg.filter, ctx.spark, ctx.timer, ctx.staging
@@ -218,6 +232,7 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
         train_on=fcfg.train_on,
         prompt_context=fcfg.prompt_context,
         render_sample_documents=n_sample,
+        decontamination=decon,
     )
     extra = {
         **info.to_extra(),

@@ -109,7 +109,7 @@ def test_invalid_conf_fails_before_compute(home, tmp_path):
     assert "enrich.top_k" in out
     states = task_states(home, finished.group(1))
     assert states["resolve"] == "failed"
-    assert {states[t] for t in ("enrich", "filter", "train", "publish")} == {"upstream_failed"}
+    assert {states[t] for t in ("enrich", "filter", "train", "evaluate", "publish")} == {"upstream_failed"}
     assert not (tmp_path / "store").exists()
 
 
@@ -125,7 +125,8 @@ def test_dags_test_local_store(home, tmp_path):
     _, out, finished = dags_test(home, conf, "2026-01-02", {**roots_env(tmp_path, store), **lineage_env(events)})
     run_id = finished.group(1)
     states = task_states(home, run_id)
-    assert states == {**dict.fromkeys(["resolve", "enrich", "filter", "data_report", "train", "publish"], "success"),
+    assert states == {**dict.fromkeys(["resolve", "enrich", "filter", "data_report", "train", "evaluate", "publish"],
+                                      "success"),
                       "approve": "skipped"}  # require_approval is off by default
     got = check_pipeline_output(store, None, "20260102")  # dataset version from the logical date
     assert "/runs/20260102-manual__" in got["run"]

@@ -51,11 +51,11 @@ def test_dagbag_has_no_import_errors_and_parses_fast(tmp_path):
     r = results[0]
     assert r["errors"] == {}
     assert r["dag_ids"] == [DAG_ID]
-    assert r["tasks"] == ["approve", "data_report", "enrich", "filter", "publish", "resolve", "train"]
+    assert r["tasks"] == ["approve", "data_report", "enrich", "evaluate", "filter", "publish", "resolve", "train"]
     # publish takes the plan as its argument: an edge from resolve besides the chain
     assert r["edges"] == [["approve", "train"], ["data_report", "approve"], ["enrich", "filter"],
-                          ["filter", "data_report"], ["resolve", "enrich"], ["resolve", "publish"],
-                          ["train", "publish"]]
+                          ["evaluate", "publish"], ["filter", "data_report"], ["resolve", "enrich"],
+                          ["resolve", "publish"], ["train", "evaluate"], ["train", "publish"]]
     # the Spark stages ARE SparkSubmitOperators; the provider is named in the DAG file, so the DAG
     # processor pre-imports it once, and nothing heavy (torch, Spark, boto3) is imported per parse
     assert "airflow.providers.apache.spark.operators.spark_submit" in r["pre_imported"]

@@ -25,13 +25,74 @@ from pathlib import Path
 
 from pipeline_core import uris
 from pipeline_core.artifacts import ArtifactError, fetch_artifact, require_manifest
-from pipeline_core.config import Config, ReleaseSection, StorageSection, load_config
+from pipeline_core.config import Config, PromoteMetric, ReleaseSection, StorageSection, load_config
+from pipeline_core.handoffs import BenchmarkResults
 from pipeline_core.pointers import advance, read_pointer
 
 log = logging.getLogger("training.promote")
 
 MODEL_FILES = "data/"
 VAL_FILES = "data/val/"
+
+
+@dataclass(frozen=True)
+class MetricComparison:
+    """One `release.promote_on` metric: both models' scores (each from its own eval artifact)."""
+
+    task: str
+    metric: str
+    candidate: float | None
+    current: float | None
+    min_delta: float
+    higher_is_better: bool
+    worse_by: float | None  # how much worse the candidate is (negative: better); None when a score is missing
+    ok: bool
+
+
+def compare_metrics(rules: list[PromoteMetric], candidate: BenchmarkResults,
+                    current: BenchmarkResults | None) -> tuple[MetricComparison, ...]:
+    """Each rule's comparison: a metric is ok when the candidate is not worse than the current model
+    by more than its min_delta (no current model: ok; a candidate without the score: not ok)."""
+    out = []
+    for r in rules:
+        c = candidate.score(r.task, r.metric)
+        cur = current.score(r.task, r.metric) if current is not None else None
+        cv, cur_v = (c.value if c else None), (cur.value if cur else None)
+        if cv is None:
+            out.append(MetricComparison(r.task, r.metric, None, cur_v, r.min_delta, r.higher_is_better, None, False))
+            continue
+        if current is None:
+            out.append(MetricComparison(r.task, r.metric, cv, None, r.min_delta, r.higher_is_better, None, True))
+            continue
+        if cur_v is None:
+            out.append(MetricComparison(r.task, r.metric, cv, None, r.min_delta, r.higher_is_better, None, False))
+            continue
+        worse = (cur_v - cv) if r.higher_is_better else (cv - cur_v)
+        out.append(MetricComparison(r.task, r.metric, cv, cur_v, r.min_delta, r.higher_is_better, worse,
+                                    worse <= r.min_delta + 1e-12))
+    return tuple(out)
+
+
+def decide_metrics(compared: tuple[MetricComparison, ...], has_current: bool, forced: bool) -> tuple[bool, str]:
+    """The benchmark rule: promote when no compared metric is worse than the current model's by more than its min_delta."""
+    def fmt(m: MetricComparison) -> str:
+        cur = "n/a" if m.current is None else f"{m.current:.4f}"
+        cand = "n/a" if m.candidate is None else f"{m.candidate:.4f}"
+        return f"{m.task}/{m.metric} {cand} vs {cur} (min_delta {m.min_delta:g})"
+
+    listed = "; ".join(fmt(m) for m in compared)
+    bad = [m for m in compared if not m.ok]
+    if not has_current and not [m for m in bad if m.candidate is None]:
+        return True, f"no model is published yet; scores: {listed}"
+    if not bad:
+        return True, f"no metric worse than the current LATEST's by more than its min_delta: {listed}"
+    why = "; ".join(
+        f"{fmt(m)}: " + ("the candidate has no such score" if m.candidate is None else
+                         "the current LATEST has no such score" if m.current is None else f"worse by {m.worse_by:.4f}")
+        for m in bad)
+    if forced:
+        return True, f"forced (release.force_promote): {why}"
+    return False, f"{why}; set release.force_promote to publish it anyway"
 
 
 @dataclass(frozen=True)
@@ -51,6 +112,8 @@ class Promotion:
     val_target_tokens: int
     order_key: str
     latest_uri: str | None = None  # where models/LATEST points after the decision
+    promote_on: str = "val_loss"  # or "metrics": `compared` decided
+    compared: tuple[MetricComparison, ...] = ()  # every benchmark metric compared (release.promote_on)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,7 +132,7 @@ def decide(candidate: float, current: float | None, tolerance: float, forced: bo
                    f"release.promote_tolerance={tolerance:g}; set release.force_promote to publish it anyway")
 
 
-def _fetch_model(uri: str, dest: Path, storage: StorageSection | None) -> Path:
+def fetch_model(uri: str, dest: Path, storage: StorageSection | None) -> Path:
     manifest = require_manifest(uri, storage, kind="model")
     fetch_artifact(uri, dest, storage)  # every file, sha256-checked against the manifest
     if not manifest.file_paths(MODEL_FILES):
@@ -86,7 +149,7 @@ def evaluate(model_uri: str, val_uri: str, models_uri: str, order_key: str, rele
     current = read_pointer(models_uri, storage)
     with tempfile.TemporaryDirectory(prefix="promote-") as tmp:
         root = Path(tmp)
-        new_dir = _fetch_model(model_uri, root / "candidate", storage)  # raises before any pointer moves
+        new_dir = fetch_model(model_uri, root / "candidate", storage)  # raises before any pointer moves
         fetch_artifact(val_uri, root / "val", storage, prefix=VAL_FILES)
         val_files = sorted((root / "val" / VAL_FILES).glob("*.parquet"))
         kw = {"max_rows": release.eval_max_rows, "device": release.eval_device}
@@ -94,7 +157,7 @@ def evaluate(model_uri: str, val_uri: str, models_uri: str, order_key: str, rele
         log.info("candidate %s: val loss %.4f over %d target tokens", model_uri, cand.loss, cand.target_tokens)
         cur_loss, incomparable = None, None
         if current is not None and current.target != model_uri:
-            current_dir = _fetch_model(current.target, root / "current", storage)  # a corrupt LATEST fails loudly
+            current_dir = fetch_model(current.target, root / "current", storage)  # a corrupt LATEST fails loudly
             try:
                 cur_loss = val_loss(current_dir, val_files, **kw).loss
                 log.info("current LATEST %s: val loss %.4f on the same rows", current.target, cur_loss)
@@ -108,13 +171,47 @@ def evaluate(model_uri: str, val_uri: str, models_uri: str, order_key: str, rele
                   f"{incomparable}; set release.force_promote to publish without a comparison")
     else:
         ok, reason = decide(cand.loss, cur_loss, release.promote_tolerance, release.force_promote)
+    compared: tuple[MetricComparison, ...] = ()
+    if isinstance(release.promote_on, list):
+        cand_scores, cur_scores = benchmark_scores(model_uri, current.target if current else None, release, storage)
+        compared = compare_metrics(release.promote_on, cand_scores, cur_scores)
+        ok, reason = decide_metrics(compared, current is not None, release.force_promote)
     return Promotion(
         promoted=ok, reason=reason, candidate_uri=model_uri, candidate_val_loss=cand.loss,
         current_uri=current.target if current else None, current_val_loss=cur_loss,
         tolerance=release.promote_tolerance, forced=release.force_promote, val_uri=val_uri, val_rows=cand.rows,
         val_target_tokens=cand.target_tokens, order_key=order_key,
         latest_uri=current.target if current else None,
+        promote_on="val_loss" if not compared else "metrics", compared=compared,
     )
+
+
+def benchmark_scores(model_uri: str, current_uri: str | None, release: ReleaseSection,
+                     storage: StorageSection | None) -> tuple[BenchmarkResults, BenchmarkResults | None]:
+    """Both models' scores, each from its own run's committed eval artifact (runs/<run>/eval). The
+    candidate's must exist (the DAG's eval task commits it). The current LATEST's is re-scored here,
+    uncommitted, only when its artifact lacks a compared task or was run with other task settings."""
+    from pipeline_core.layout import eval_uri
+    from training.benchmarks import read_results, score_model
+
+    cand = read_results(eval_uri(uris.parent(model_uri)), storage)
+    if cand is None or cand.model_uri.rstrip("/") != model_uri:
+        raise ArtifactError(f"release.promote_on compares benchmark scores, but {eval_uri(uris.parent(model_uri))} "
+                            f"holds none for {model_uri}: run the eval task (training.benchmarks) first")
+    if current_uri is None:
+        return cand, None
+    if current_uri.rstrip("/") == model_uri:
+        return cand, cand  # a retried publish: LATEST already is this model
+    cur = read_results(eval_uri(uris.parent(current_uri)), storage)
+    wanted = {t.task: t for t in release.eval_tasks}
+    have = {t.task: t for t in cur.tasks} if cur is not None else {}
+    same = all(m.task in have and have[m.task].num_fewshot == wanted[m.task].num_fewshot
+               and have[m.task].limit == wanted[m.task].limit for m in release.promote_on)  # type: ignore[union-attr]
+    if cur is not None and cur.model_uri.rstrip("/") == current_uri.rstrip("/") and same:
+        return cand, cur
+    log.info("the current LATEST %s has no committed scores for this task set: scoring it now", current_uri)
+    with tempfile.TemporaryDirectory(prefix="promote-bench-") as tmp:
+        return cand, score_model(require_manifest(current_uri, storage, kind="model"), release, storage, Path(tmp))
 
 
 def apply(decision: Promotion, models_uri: str, storage: StorageSection | None = None, *,

@@ -26,7 +26,7 @@ from airflow.sdk.exceptions import AirflowException
 
 from pipeline_core import uris
 from plugins.mft_airflow import launchers
-from plugins.mft_airflow.operators import TEMPLATED_PLAN, _TrainStage, plan_field
+from plugins.mft_airflow.operators import TEMPLATED_PLAN, _EvalStage, _TrainStage, plan_field
 from plugins.mft_airflow.settings import DeploySettings
 
 
@@ -164,9 +164,10 @@ class DockerTrainOperator(_TrainStage, DockerOperator):
             self.environment.update(launchers.attempt_env(context))
             try:
                 adopted = self._take_over_previous(cfg)
-                self._manifest = self._store.manifest(self._plan.model_uri)
-                if self._manifest is None:  # the waited-for trainer may have finished
-                    prefetch_base_model(cfg, self.log)
+                self._manifest = self._store.manifest(getattr(self._plan, self.output_field))
+                if self._manifest is None:  # the waited-for one may have finished
+                    if self.prefetch_base:
+                        prefetch_base_model(cfg, self.log)
                     launched = True
                     super().execute(context)
                 elif adopted:
@@ -352,7 +353,8 @@ class KubernetesTrainOperator(_TrainStage, KubernetesJobOperator):
         from kubernetes.client import models as k8s
 
         self.env_vars += [k8s.V1EnvVar(name=k, value=v) for k, v in launchers.attempt_env(context).items()]
-        prefetch_base_model(cfg, self.log)
+        if self.prefetch_base:
+            prefetch_base_model(cfg, self.log)
         super().execute(context)  # defers: the triggerer waits for the Job; execute_complete resumes
         return self._finish(context, reused=False).model_dump()
 
@@ -360,3 +362,27 @@ class KubernetesTrainOperator(_TrainStage, KubernetesJobOperator):
         super().execute_complete(context, event, **kwargs)
         self._begin(context)
         return self._finish(context, reused=False).model_dump()
+
+
+# ------------------------------------------------------------------------------------- benchmarks
+
+
+class DockerEvalOperator(_EvalStage, DockerTrainOperator):
+    """lm-evaluation-harness on the exported model in the trainer's image and GPUs (one container)."""
+
+    def __init__(self, *, settings: DeploySettings, **kwargs: Any):
+        super().__init__(settings=settings, **kwargs)
+        self.command = launchers.eval_argv(TEMPLATED_PLAN, ["python"])
+        self.container_name = plan_field("trainer_name") + "-eval"
+
+
+class KubernetesEvalOperator(_EvalStage, KubernetesTrainOperator):
+    """lm-evaluation-harness as a one-pod Job in the trainer's image, resources and placement."""
+
+    def __init__(self, *, settings: DeploySettings, **kwargs: Any):
+        super().__init__(settings=settings, **kwargs)
+        argv = launchers.eval_argv(TEMPLATED_PLAN, ["python"])
+        self.cmds, self.arguments = argv[:1], argv[1:]
+        self.name = plan_field("trainer_name") + "-eval"
+        self.labels = {**(self.labels or {}), "mft-run": self.name}
+        self.completions = self.parallelism = 1

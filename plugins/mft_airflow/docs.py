@@ -19,6 +19,11 @@ and tokens per split.""",
 `training.train` under torchrun (local subprocess, Docker container, or an indexed Kubernetes Job
 with one pod per node), on the deployment's launcher. A retry keeps the run id and resumes from
 the newest checkpoint; a committed model is reused.""",
+    "evaluate": """### evaluate (lm-evaluation-harness)
+`training.benchmarks --input <model_uri> --output <run>/eval` launched like the trainer (local
+subprocess, Docker container, one-pod Kubernetes Job): the `release.eval_tasks` (harness tasks or
+local YAML tasks) on the exported model, HF backend; per task and metric the score, its stderr and
+every sample, committed as the run's `eval/` artifact. Nothing to do without eval tasks.""",
     "data_report": """### data_report
 Builds the committed `report/` artifact of the run's train-ready data (`reports.data_report`):
 an HTML page with charts of rejects, similarity distributions with their thresholds, dropped
@@ -29,6 +34,7 @@ Optional human gate (`require_approval`): Approve trains, Reject skips train and
 records who and why in `runs/<run>/approval.json`. Skipped when approval is not required.""",
     "publish": """### publish
 Evaluation-gated promotion: verifies every model file's sha256, scores the model and the current
-`models/LATEST` on the same val rows, writes `runs/<run>/pipeline_summary.json` with the decision,
+`models/LATEST` on the same val rows (or, with `release.promote_on` metrics, compares both models'
+benchmark scores from their eval artifacts), writes `runs/<run>/pipeline_summary.json` with the decision,
 moves `models/LATEST` forward only when the gate allows, and emits the `mistral_finetune/model` asset event downstream DAGs schedule on.""",
 }

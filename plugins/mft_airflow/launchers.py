@@ -51,6 +51,12 @@ def train_args(plan: RunPlan) -> list[str]:
     return ["--input", plan.train_ready_uri, "--output", plan.run_uri, "--config", plan.config_file]
 
 
+def eval_argv(plan: RunPlan, python: list[str]) -> list[str]:
+    """The benchmark runner (lm-evaluation-harness on the exported model): one process, no agent."""
+    return [*python, "-m", "training.benchmarks", "--input", plan.model_uri, "--output", plan.eval_uri,
+            "--config", plan.config_file]
+
+
 def agent_argv(plan: RunPlan, settings: DeploySettings, *, launcher: list[str], nproc: int,
                node_rank: int | str | None = None, rdzv_endpoint: str | None = None) -> list[str]:
     """The distributed agent's argv: standalone, rendezvous (one agent per node) or a hostfile."""

@@ -196,6 +196,7 @@ class _TrainStage(_PlanStage):
     stage: Stage = "train"
     input_field = "train_ready_uri"
     output_field = "model_uri"
+    prefetch_base = True  # containers: fill the hub cache with the base model before going offline
 
     def _begin_training(self, context: Any) -> bool:
         """True when the run's model is already committed (nothing to launch)."""
@@ -255,6 +256,58 @@ class TrainOperator(_TrainStage, BaseOperator):
     def on_kill(self) -> None:
         if self._hook is not None:
             self._hook.stop()
+
+
+class _EvalStage(_TrainStage):
+    """Benchmarks after training (`python -m training.benchmarks`, docs/evaluation.md), launched like
+    the trainer. A run without `release.eval_tasks` succeeds with nothing to do (publish follows)."""
+
+    command_name = "the benchmark runner"
+    input_field = "model_uri"
+    output_field = "eval_uri"
+    prefetch_base = False
+    _no_tasks = False
+
+    def _begin_training(self, context: Any) -> bool:
+        plan, existing = self._begin(context)
+        if existing is not None:
+            self.log.info("eval: scores %s are already committed; nothing to do", plan.eval_uri)
+            return True
+        if not self._config().release.eval_tasks:
+            self.log.info("eval: release.eval_tasks is empty; no benchmarks for this run")
+            self._no_tasks = True
+            return True
+        return False
+
+    def _finish(self, context: Any, reused: bool) -> StageResult:
+        if self._no_tasks:
+            return StageResult(uri=self._plan.eval_uri, kind="none", counts={}, reused=False, manifest_sha256="")
+        return super()._finish(context, reused)
+
+
+class EvalOperator(_EvalStage, TrainOperator):
+    """The benchmark runner on this worker, as a watched subprocess (like `TrainOperator`)."""
+
+    ui_color = "#e0f0e6"
+
+    def __init__(self, *, settings: DeploySettings, **kwargs: Any):
+        from plugins.mft_airflow.launchers import eval_argv
+
+        super().__init__(settings=settings, **kwargs)
+        self.command = eval_argv(TEMPLATED_PLAN, [sys.executable])
+
+
+def eval_operator(settings: DeploySettings, **kwargs: Any) -> BaseOperator:
+    """The eval task for the deployment's launcher: the trainer's machinery with the benchmark command."""
+    if settings.launcher == "docker":
+        from plugins.mft_airflow.container_operators import DockerEvalOperator
+
+        return DockerEvalOperator(settings=settings, **kwargs)
+    if settings.launcher == "kubernetes":
+        from plugins.mft_airflow.container_operators import KubernetesEvalOperator
+
+        return KubernetesEvalOperator(settings=settings, **kwargs)
+    return EvalOperator(settings=settings, **kwargs)
 
 
 def train_operator(settings: DeploySettings, **kwargs: Any) -> BaseOperator:

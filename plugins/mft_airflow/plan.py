@@ -121,6 +121,7 @@ def build_plan(cfg: Config, config_path: Path, *, stages: list[str], world_size:
         run_uri=run,
         model_uri=layout.model_uri(run),
         models_uri=uris.join(cfg.pipeline.store_uri, "models"),
+        eval_uri=layout.eval_uri(run),
         trainer_name=resource_name(cfg.pipeline.run_id),
         stages=tuple(stages),
         world_size=world_size,

@@ -42,6 +42,7 @@ class RunPlan(BaseModel):
     run_uri: str
     model_uri: str
     models_uri: str
+    eval_uri: str = Field("", description="The run's benchmark scores (runs/<run>/eval), committed by the eval task")
     trainer_name: str = Field(description="Deterministic name of the run's trainer container / Kubernetes Job")
     stages: tuple[Stage, ...] = STAGES
     world_size: int | None = Field(None, ge=1, description="Training ranks (nodes x processes per node), if known")

@@ -54,6 +54,22 @@ def _stage(uri: str, storage: StorageSection | None) -> dict[str, Any]:
             "timings": m.timings if m else None}
 
 
+def _decontamination(train_ready_uri: str, storage: StorageSection | None) -> dict[str, Any] | None:
+    from pipeline_core.handoffs import TrainReadyInfo
+
+    m = read_manifest(train_ready_uri, storage)
+    info = TrainReadyInfo.from_manifest(m).decontamination if m is not None else None
+    return None if info is None else info.model_dump(mode="json")
+
+
+def _benchmarks(run_uri: str, storage: StorageSection | None) -> dict[str, Any] | None:
+    """The run's committed benchmark scores (runs/<run>/eval), if it has any."""
+    from training.benchmarks import read_results
+
+    res = read_results(layout.eval_uri(run_uri), storage)
+    return None if res is None else {"uri": layout.eval_uri(run_uri), **res.to_extra()}
+
+
 def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
                   release: ReleaseSection | None = None) -> dict[str, Any]:
     """Verify, evaluate, write the summary, then move `models/LATEST` if the gate allows it."""
@@ -69,11 +85,12 @@ def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
         "run_id": plan.run_id,
         "source_uri": plan.source_uri,
         "enrich": _stage(plan.enriched_uri, storage),
-        "filter": _stage(plan.train_ready_uri, storage),
+        "filter": {**_stage(plan.train_ready_uri, storage), "decontamination": _decontamination(plan.train_ready_uri, storage)},
         "data_report": data_report_link(plan, storage),
         "train": {"run_uri": plan.run_uri, **_losses(layout.report_uri(plan.run_uri), storage)},
         "model": {"uri": plan.model_uri, "files": len(model.files),
                   "bytes": sum(f["size"] for f in model.files), "manifest_sha256": model.sha256},
+        "eval": _benchmarks(plan.run_uri, storage),
         "promotion": decision.to_dict(),
     }
     _write_summary(plan.run_uri, summary, storage)  # before LATEST can name this run
@@ -125,8 +142,29 @@ def _fmt_promotion(p: dict[str, Any] | None) -> list[str]:
         return []
     cur = "none" if p["current_val_loss"] is None else f"{p['current_val_loss']:.4f}"
     verdict = "PROMOTED" if p["promoted"] else "NOT promoted"
+    if p.get("promote_on") == "metrics":
+        return [f"  promote {verdict} on benchmark scores (val loss {p['candidate_val_loss']:.4f} vs {cur}); {p['reason']}"]
     return [f"  promote {verdict}: val loss {p['candidate_val_loss']:.4f} vs current LATEST {cur} "
             f"({p['val_rows']} val rows, {p['val_target_tokens']} target tokens); {p['reason']}"]
+
+
+def _fmt_decontamination(d: dict[str, Any] | None) -> list[str]:
+    if not d:
+        return []
+    sets = ", ".join(f"{e['name']} ({e['documents']} docs, sha256 {e['sha256'][:12]}): {e['rows_removed']} removed"
+                     for e in d["eval_sets"])
+    return [f"          decontaminated ({d['ngram']}-grams) against {sets}"]
+
+
+def _fmt_eval(e: dict[str, Any] | None) -> list[str]:
+    if not e:
+        return ["  eval    (no benchmarks: release.eval_tasks is empty)"]
+    lines = []
+    for t in e.get("tasks", []):
+        ms = ", ".join(f"{k.split(',')[0]} {v['value']:.4f}" + (f" ± {v['stderr']:.4f}" if v.get("stderr") is not None else "")
+                       for k, v in sorted(t["metrics"].items()) if v.get("value") is not None)
+        lines.append(f"  eval    {t['task']} ({t['num_fewshot']}-shot, {t['samples']} samples): {ms}")
+    return [*lines, f"          -> {e['uri']}"]
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -141,11 +179,13 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  enrich  {_fmt_counts(s['enrich']['counts'])}",
         f"          -> {s['enrich']['uri']}",
         f"  filter  {_fmt_counts(s['filter']['counts'])}",
+        *_fmt_decontamination(s["filter"].get("decontamination")),
         f"          -> {s['filter']['uri']}",
         f"  train   loss start {num(t.get('loss_start'))} (step {t.get('first_step')}) -> end {num(t.get('loss_end'))}"
         f" (step {t.get('last_step')}); val loss {num(t.get('eval_loss'))}, perplexity {num(t.get('eval_perplexity'))}",
         f"          -> {t.get('run_uri')}",
         f"  model   {s['model']['uri']}  ({s['model']['files']} files, {s['model']['bytes'] / 1e6:.1f} MB)",
+        *_fmt_eval(s.get("eval")),
         *_fmt_promotion(s.get("promotion")),
         f"  latest  {s.get('latest')}",
         f"  report  {s.get('data_report') or '(no data report)'}",
