@@ -192,6 +192,9 @@ class FilterSection(SparkStageSection):
     lsh_seed: int = 0
     near_dup_method: Literal["cluster", "lsh"] = Field(
         "cluster", description="cluster: k-means first, exact cosine inside clusters (recall independent of N); lsh")
+    near_dup_guard: Literal["numbers", "none"] = Field(
+        "numbers", description="numbers: near duplicates must also agree on the question's numbers, code identifiers "
+        "and literals, and the final answer (docs/filter.md); none: similarity alone")
     near_dup_cluster_size: int = Field(2000, ge=16, le=1_000_000, description="target rows per k-means cluster")
     near_dup_probes: int = Field(2, ge=1, le=16, description="clusters a row may join (boundary pairs)")
     near_dup_probe_margin: float = Field(0.05, ge=0.0, le=2.0, description="join a further cluster within this cosine")

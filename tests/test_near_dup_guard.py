@@ -1,0 +1,195 @@
+"""Near duplicates are the same example, not the same template (issue 27): the guard and keep-first.
+
+The filter stage end to end (real Spark local[2], real MiniLM, the real Mistral tokenizer) on math
+templates with varied numbers, rewordings, Unicode-only copies and hard negatives
+(bench/neardup_corpus.py); the chain case and the no-guard baseline on the dedup entry point."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from bench.neardup_corpus import corpus
+from pipeline_core import uris
+from pipeline_core.artifacts import fetch_artifact
+from pipeline_core.config import ConfigError, load_config
+from spark_jobs.near_dup_guard import guard_features, guard_key, normalise_number
+from tests.filter_helpers import FILTER_SETTINGS, Rec, embed, enriched_table, publish_enriched
+
+THRESHOLD = 0.9
+
+
+def items():
+    return corpus(variants=8, reworded=3, copies=2, negatives=1)
+
+
+# ---- the guard's features (pure Python) ----
+
+def test_numbers_are_normalised():
+    assert [normalise_number(x) for x in ("1,000", "3.50", "007", ".5", "1,234,567.80", "٣")] == \
+        ["1000", "3.5", "7", "0.5", "1234567.8", "3"]
+    f = guard_features("Tom has 1,000 apples and ３.50 dollars; 1000 more", "So \\boxed{ 1,000 }")
+    assert f.numbers == ("1000", "1000", "3.5") and f.final_answer == "boxed:1000"
+
+
+def test_the_guard_separates_variants_and_joins_rewordings():
+    by_id = {i.id: i for i in items()}
+    key = {i.id: guard_key(i.question, i.answer) for i in by_id.values()}
+    for i in by_id.values():
+        if i.kind in ("rewording", "unicode_copy"):
+            assert key[i.id] == key[i.of], i.id
+    inst = [i for i in by_id.values() if i.kind == "instance"]
+    for a in inst:
+        for b in inst:
+            if a.id < b.id and a.template == b.template:
+                assert key[a.id] != key[b.id], (a.id, b.id)
+    # code: other identifiers or constants differ; comments and layout do not
+    q = "Write `f`."
+    base = guard_key(q, "```python\ndef f(x):\n    return x + 10\n```")
+    assert guard_key(q, "```python\ndef f(x):  # add ten\n  return x+10\n```") == base
+    assert guard_key(q, "```python\ndef f(x):\n    return x + 11\n```") != base
+    assert guard_key(q, "```python\ndef g(x):\n    return x + 10\n```") != base
+    assert guard_key(q, "anything", "none") == guard_key("other", "text", "none")
+
+
+def test_the_guard_setting_is_validated_and_content_hashed(tmp_path):
+    from pipeline_core.layout import content_settings
+
+    with pytest.raises(ConfigError, match="near_dup_guard"):
+        load_config(env={}, overrides={"filter": {"near_dup_guard": "digits"}})
+    a = load_config(env={}, overrides={}).filter
+    b = load_config(env={}, overrides={"filter": {"near_dup_guard": "none"}}).filter
+    assert a.near_dup_guard == "numbers" and content_settings(a) != content_settings(b)
+
+
+# ---- the filter stage end to end ----
+
+@pytest.fixture(scope="module")
+def filtered(spark, tmp_path_factory):
+    from spark_jobs.similarity_filter import run
+
+    root = tmp_path_factory.mktemp("guard")
+    cfg = load_config(env={}, overrides={
+        "filter": {**FILTER_SETTINGS, "seq_len": 256, "max_tokens": 250, "near_dup_threshold": THRESHOLD,
+                   "val_fraction": 0.3},
+        "pipeline": {"store_uri": uris.qualify(root / "store"), "staging_uri": uris.qualify(root / "staging")}})
+    its = items()
+    table = enriched_table([Rec(i.id, i.question, i.answer, category=i.category) for i in its])
+    in_uri = uris.join(cfg.pipeline.store_uri, "datasets", "t", "enriched", "e1")
+    publish_enriched(table, root / "enriched", in_uri)
+    out_uri = uris.join(cfg.pipeline.store_uri, "datasets", "t", "train", "f1")
+    manifest = run(in_uri, out_uri, cfg, spark=spark)
+    fetch_artifact(out_uri, root / "fetched")
+    rejects = pq.read_table(root / "fetched" / "rejects").to_pylist()
+    return SimpleNamespace(manifest=manifest, items={i.id: i for i in its}, table=table,
+                           rejects={r["id"]: r for r in rejects}, root=root)
+
+
+def _cos(table, a: str, b: str) -> float:
+    rows = {r["id"]: r for r in table.select(["id", "question_embedding", "answer_embedding"]).to_pylist()}
+    v = lambda i: np.concatenate([rows[i]["question_embedding"], rows[i]["answer_embedding"]])  # noqa: E731
+    return float(v(a) @ v(b)) / 2
+
+
+def test_numbers_only_variants_are_all_kept(filtered):
+    inst = [i for i in filtered.items.values() if i.kind in ("instance", "negative")]
+    lost = {i.id: filtered.rejects[i.id]["reason"] for i in inst if i.id in filtered.rejects
+            and filtered.rejects[i.id]["reason"] == "near_duplicate"}
+    assert not lost
+    # the data is hard: without the guard, similarity alone pairs many of them (asserted below too)
+    nd = filtered.manifest.extra["near_duplicates"]
+    assert nd["guard"] == "numbers" and nd["guard_saved_pairs"] >= 10
+    assert sum(nd["guard_saved_by_split"].values()) == nd["guard_saved_pairs"]
+    ex = nd["guard_saved_examples"]
+    assert ex and all(e["similarity"] >= THRESHOLD for e in ex)
+    for e in ex:  # both rows of a saved pair are kept (or dropped for another reason, never as its copy)
+        assert filtered.items[e["id"]].template == filtered.items[e["other_id"]].template
+
+
+def test_rewordings_go_and_unicode_copies_are_exact_duplicates(filtered):
+    for i in filtered.items.values():
+        pair = {i.id, i.of}
+        if i.kind == "unicode_copy":
+            assert filtered.rejects[i.id]["reason"] == "exact_duplicate", i.id
+            assert i.of not in filtered.rejects
+        if i.kind == "rewording" and _cos(filtered.table, i.id, i.of) >= THRESHOLD:
+            gone = pair & set(filtered.rejects)
+            assert len(gone) == 1, (i.id, gone)
+            assert filtered.rejects[gone.pop()]["reason"] == "near_duplicate"
+
+
+def test_every_near_duplicate_names_a_kept_row_and_counts_add_up(filtered):
+    m = filtered.manifest
+    assert m.counts["in"] == len(filtered.items) == m.counts["out"] + len(filtered.rejects)
+    assert sum(m.counts["rejected"].values()) == len(filtered.rejects)
+    near = [r for r in filtered.rejects.values() if r["reason"] == "near_duplicate"]
+    assert near
+    for r in near:
+        detail = json.loads(r["raw"])["detail"]
+        rep, sim = detail.split("near duplicate of ")[1].split(" (similarity ")
+        assert rep not in filtered.rejects, (r["id"], rep)  # the representative is in the output
+        assert abs(float(sim.rstrip(")")) - _cos(filtered.table, r["id"], rep)) < 1e-3
+        assert float(sim.rstrip(")")) >= THRESHOLD
+
+
+# ---- the entry point: chains, and what the guard saves ----
+
+def _frame(spark, keys, vecs, guards=None):
+    import pandas as pd
+
+    pdf = pd.DataFrame({"id": [f"r{k}" for k in keys], "_key": np.asarray(keys, np.int64),
+                        "_vec": [np.asarray(v, np.float32).tolist() for v in vecs],
+                        "_guard": np.asarray(guards if guards is not None else [0] * len(keys), np.int64)})
+    return spark.createDataFrame(pdf, "id string, _key long, _vec array<float>, _guard long").persist()
+
+
+def _unit(v):
+    return v / np.linalg.norm(v)
+
+
+@pytest.mark.parametrize("method", ["cluster", "lsh"])
+def test_chain_keeps_both_ends(spark, method):
+    """A~B (0.95), B~C (0.95), A !~ C (0.805): keep-first keeps A and C and drops B for A. The old
+    rule dropped B and C (C named B, which was itself dropped)."""
+    from spark_jobs.dedup import near_duplicates
+    from spark_jobs.dedup_types import ClusterSettings, NearDupSettings
+
+    rng = np.random.default_rng(0)
+    e = np.linalg.qr(rng.normal(size=(384, 3)))[0].T  # orthonormal
+    t = np.arccos(0.95)
+    half = [_unit(e[0]), _unit(np.cos(t) * e[0] + np.sin(t) * e[1]), _unit(np.cos(2 * t) * e[0] + np.sin(2 * t) * e[1])]
+    vecs = [np.concatenate([h, h]) for h in half] + [np.concatenate([_unit(e[2]), _unit(e[2])])]
+    df = _frame(spark, [1, 2, 3, 4], vecs)
+    s = NearDupSettings(threshold=0.9, method=method, recall_sample=10, cluster=ClusterSettings(cluster_size=16))
+    got = near_duplicates(df, key="_key", vec="_vec", settings=s, rows=4)
+    found = {r["_key"]: (r["_near_rep"], round(r["_near_sim"], 3)) for r in got.frame.collect()}
+    assert found == {2: ("r1", 0.95)}
+    assert got.report.measured.recall == 1.0
+
+
+def test_without_the_guard_numbers_only_variants_are_dropped(spark):
+    """The same MiniLM vectors through the entry point: guard keys equal (guard none) drop variants
+    of the same template; the guard's keys keep every one and count the pairs it saved."""
+    from spark_jobs.dedup import near_duplicates
+    from spark_jobs.dedup_types import NearDupSettings
+
+    its = [i for i in items() if i.kind == "instance"]
+    v = np.concatenate([embed([i.question for i in its]), embed([i.answer for i in its])], axis=1)
+    keys = list(range(1, len(its) + 1))
+    df = _frame(spark, keys, v, [guard_key(i.question, i.answer) for i in its])
+    s = NearDupSettings(threshold=THRESHOLD, recall_sample=len(its))
+    plain = near_duplicates(df, key="_key", vec="_vec", settings=s, rows=len(its))
+    guarded = near_duplicates(df, key="_key", vec="_vec", settings=s, rows=len(its), guard="_guard")
+    assert plain.frame.count() >= 5 and plain.report.guard_saved_pairs == 0
+    assert guarded.frame.count() == 0 and guarded.report.guard_saved_pairs >= 10
+    assert plain.report.measured.recall == 1.0 and guarded.report.measured.with_duplicate == 0
+
+
+def test_docs_explain_the_guard():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "filter.md").read_text()
+    assert "near_dup_guard" in text and "keep-first" in text
