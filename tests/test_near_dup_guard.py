@@ -87,7 +87,7 @@ def filtered(spark, tmp_path_factory):
     fetch_artifact(out_uri, root / "fetched")
     rejects = pq.read_table(root / "fetched" / "rejects").to_pylist()
     return SimpleNamespace(manifest=manifest, items={i.id: i for i in its}, table=table,
-                           rejects={r["id"]: r for r in rejects}, root=root)
+                           rejects={r["id"]: r for r in rejects}, root=root, in_uri=in_uri, out_uri=out_uri)
 
 
 def _cos(table, a: str, b: str) -> float:
@@ -96,31 +96,45 @@ def _cos(table, a: str, b: str) -> float:
     return float(v(a) @ v(b)) / 2
 
 
+def _example(i) -> str:
+    """An instance, its rewording and its Unicode copy are one example; a hard negative is its own."""
+    return i.of if i.kind in ("rewording", "unicode_copy") else i.id
+
+
 def test_numbers_only_variants_are_all_kept(filtered):
-    inst = [i for i in filtered.items.values() if i.kind in ("instance", "negative")]
-    lost = {i.id: filtered.rejects[i.id]["reason"] for i in inst if i.id in filtered.rejects
-            and filtered.rejects[i.id]["reason"] == "near_duplicate"}
-    assert not lost
-    # the data is hard: without the guard, similarity alone pairs many of them (asserted below too)
+    """Every example survives (an instance may go for its own rewording or copy, never for another
+    instance of its template), and no near duplicate is dropped for a row of another example."""
+    items = filtered.items
+    survivors: dict[str, int] = {}
+    for i in items.values():
+        survivors[_example(i)] = survivors.get(_example(i), 0) + (i.id not in filtered.rejects)
+    assert all(n >= 1 for n in survivors.values()), {k: n for k, n in survivors.items() if n < 1}
+    for rid, r in filtered.rejects.items():
+        if r["reason"] == "near_duplicate":
+            rep = json.loads(r["raw"])["detail"].split("near duplicate of ")[1].split(" ")[0]
+            assert _example(items[rid]) == _example(items[rep]), (rid, rep)
+    # the data is hard: similarity alone pairs many instances (the guard counted the pairs it kept apart)
     nd = filtered.manifest.extra["near_duplicates"]
     assert nd["guard"] == "numbers" and nd["guard_saved_pairs"] >= 10
     assert sum(nd["guard_saved_by_split"].values()) == nd["guard_saved_pairs"]
     ex = nd["guard_saved_examples"]
     assert ex and all(e["similarity"] >= THRESHOLD for e in ex)
-    for e in ex:  # both rows of a saved pair are kept (or dropped for another reason, never as its copy)
-        assert filtered.items[e["id"]].template == filtered.items[e["other_id"]].template
+    for e in ex:
+        assert items[e["id"]].template == items[e["other_id"]].template
+        assert _example(items[e["id"]]) != _example(items[e["other_id"]])
 
 
 def test_rewordings_go_and_unicode_copies_are_exact_duplicates(filtered):
-    for i in filtered.items.values():
-        pair = {i.id, i.of}
+    """A copy and its instance: exactly one is an exact duplicate. An example whose rewording is
+    within the threshold keeps exactly one of its rows."""
+    items = filtered.items
+    for i in items.values():
         if i.kind == "unicode_copy":
-            assert filtered.rejects[i.id]["reason"] == "exact_duplicate", i.id
-            assert i.of not in filtered.rejects
-        if i.kind == "rewording" and _cos(filtered.table, i.id, i.of) >= THRESHOLD:
-            gone = pair & set(filtered.rejects)
-            assert len(gone) == 1, (i.id, gone)
-            assert filtered.rejects[gone.pop()]["reason"] == "near_duplicate"
+            assert [filtered.rejects.get(x, {}).get("reason") for x in (i.id, i.of)].count("exact_duplicate") == 1, i.id
+        rows = [x for x in items.values() if _example(x) == i.of]
+        if i.kind == "rewording" and all(_cos(filtered.table, i.id, x.id) >= THRESHOLD for x in rows if x.id != i.id):
+            assert sum(x.id not in filtered.rejects for x in rows) == 1, [x.id for x in rows]
+            assert any(filtered.rejects.get(x.id, {}).get("reason") == "near_duplicate" for x in rows)
 
 
 def test_every_near_duplicate_names_a_kept_row_and_counts_add_up(filtered):
@@ -135,6 +149,25 @@ def test_every_near_duplicate_names_a_kept_row_and_counts_add_up(filtered):
         assert rep not in filtered.rejects, (r["id"], rep)  # the representative is in the output
         assert abs(float(sim.rstrip(")")) - _cos(filtered.table, r["id"], rep)) < 1e-3
         assert float(sim.rstrip(")")) >= THRESHOLD
+
+
+def test_data_report_shows_saved_and_dropped_pairs_per_split(filtered, tmp_path):
+    from reports.data_report import collect, render_page
+
+    facts = collect(filtered.out_uri, filtered.in_uri, None, tmp_path)
+    nd = filtered.manifest.extra["near_duplicates"]
+    assert facts.near_dup_guard == "numbers"
+    assert {g.split: g.saved_pairs for g in facts.guard_by_split if g.saved_pairs} == nd["guard_saved_by_split"]
+    assert sum(g.dropped for g in facts.guard_by_split) == filtered.manifest.counts["rejected"]["near_duplicate"]
+    saved = [e for g in facts.guard_by_split for e in g.saved_examples]
+    dropped = [e for g in facts.guard_by_split for e in g.dropped_examples]
+    assert saved and dropped
+    for e in saved:  # a saved pair differs in its numbers; a dropped one is the same example
+        assert e.question and e.duplicate_question and guard_key(e.question, "") != guard_key(e.duplicate_question, "")
+    for e in dropped:
+        assert e.duplicate_of not in filtered.rejects
+    page = render_page(facts, {})
+    assert "pairs saved by the guard" in page and saved[0].id in page and dropped[0].id in page
 
 
 # ---- the entry point: chains, and what the guard saves ----
@@ -170,6 +203,29 @@ def test_chain_keeps_both_ends(spark, method):
     found = {r["_key"]: (r["_near_rep"], round(r["_near_sim"], 3)) for r in got.frame.collect()}
     assert found == {2: ("r1", 0.95)}
     assert got.report.measured.recall == 1.0
+
+
+def test_keep_first_is_the_greedy_rule_on_chains_cliques_and_stars(spark):
+    """keep_first against the sequential definition (rows in key order; drop a row that neighbours
+    a kept one) on a long chain, a clique and a star whose centre has the largest key."""
+    from spark_jobs.keep_first import keep_first
+
+    edges = [(k + 1, k, 0.95) for k in range(1, 9)]  # chain 1-2-...-9
+    edges += [(b, a, 0.99) for a in range(20, 25) for b in range(a + 1, 25)]  # clique 20..24
+    edges += [(40, leaf, 0.91 + leaf / 1000) for leaf in (31, 32, 33)]  # star: centre 40, leaves 31..33
+    kept: set[int] = set()
+    expect = {}
+    for k in sorted({x for e in edges for x in e[:2]}):
+        near = [(s, lk) for (j, lk, s) in edges if j == k and lk in kept]
+        if near:
+            s, lk = max(near, key=lambda t: (t[0], -t[1]))
+            expect[k] = (f"r{lk}", s)
+        else:
+            kept.add(k)
+    df = spark.createDataFrame([(j, lk, f"r{lk}", s) for j, lk, s in edges], "_key long, _lkey long, _lid string, _sim double")
+    got = {r["k"]: (r["_near_rep"], r["_near_sim"]) for r in keep_first(df, key="k").collect()}
+    assert got == expect
+    assert set(got) == {2, 4, 6, 8, 21, 22, 23, 24, 40} and got[40] == ("r33", 0.943)
 
 
 def test_without_the_guard_numbers_only_variants_are_dropped(spark):
