@@ -37,14 +37,23 @@ THRESHOLD = 0.9
 
 
 def build_input(work: Path, variants: int) -> tuple[str, list, dict]:
+    import pyarrow.parquet as pq
+
     from bench.neardup_corpus import corpus
     from pipeline_core import uris
+    from pipeline_core.artifacts import read_manifest
     from tests.filter_helpers import Rec, enriched_table, publish_enriched
 
     items = corpus(variants=variants, reworded=variants // 4, copies=variants // 8, negatives=variants // 12)
-    table = enriched_table([Rec(i.id, i.question, i.answer, category=i.category) for i in items])
-    uri = uris.qualify(work / "store" / "datasets" / "g" / "enriched" / "e1")
-    publish_enriched(table, work / "enriched", uri)
+    cache = work / f"enriched-{variants}.parquet"  # the embedding is the slow part: once per work dir
+    if cache.exists():
+        table = pq.read_table(cache)
+    else:
+        table = enriched_table([Rec(i.id, i.question, i.answer, category=i.category) for i in items])
+        pq.write_table(table, cache)
+    uri = uris.qualify(work / "store" / "datasets" / "g" / "enriched" / f"e{variants}")
+    if read_manifest(uri) is None:
+        publish_enriched(table, work / f"enriched-{variants}", uri)
     rows = {r["id"]: np.concatenate([r["question_embedding"], r["answer_embedding"]])
             for r in table.select(["id", "question_embedding", "answer_embedding"]).to_pylist()}
     return uri, items, rows
@@ -127,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     res["records"] = len(items)
     for spec in a.run:
         label, python, root, guard = spec.split(":")
-        out_uri, secs = run_filter(label, str(Path(python).resolve()), str(Path(root).resolve()), guard, in_uri, work)
+        out_uri, secs = run_filter(label, os.path.abspath(python), os.path.abspath(root), guard, in_uri, work)
         r = {"seconds": round(secs, 1), **analyse(out_uri, items, vecs, work, label)}
         res["runs"][label] = r
         print(json.dumps({label: r}), flush=True)

@@ -57,14 +57,14 @@ def test_the_guard_separates_variants_and_joins_rewordings():
     assert guard_key(q, "anything", "none") == guard_key("other", "text", "none")
 
 
-def test_the_guard_setting_is_validated_and_content_hashed(tmp_path):
-    from pipeline_core.layout import content_settings
+def test_the_guard_setting_is_validated_and_content_hashed():
+    from pipeline_core.layout import train_ready_id
 
     with pytest.raises(ConfigError, match="near_dup_guard"):
         load_config(env={}, overrides={"filter": {"near_dup_guard": "digits"}})
-    a = load_config(env={}, overrides={}).filter
-    b = load_config(env={}, overrides={"filter": {"near_dup_guard": "none"}}).filter
-    assert a.near_dup_guard == "numbers" and content_settings(a) != content_settings(b)
+    a = load_config(env={}, overrides={})
+    b = load_config(env={}, overrides={"filter": {"near_dup_guard": "none"}})
+    assert a.filter.near_dup_guard == "numbers" and train_ready_id(a) != train_ready_id(b)
 
 
 # ---- the filter stage end to end ----
@@ -211,7 +211,7 @@ def test_keep_first_is_the_greedy_rule_on_chains_cliques_and_stars(spark):
     from spark_jobs.keep_first import keep_first
 
     edges = [(k + 1, k, 0.95) for k in range(1, 9)]  # chain 1-2-...-9
-    edges += [(b, a, 0.99) for a in range(20, 25) for b in range(a + 1, 25)]  # clique 20..24
+    edges += [(b, a, 0.99 - (b - a) / 1000) for a in range(20, 25) for b in range(a + 1, 25)]  # clique 20..24
     edges += [(40, leaf, 0.91 + leaf / 1000) for leaf in (31, 32, 33)]  # star: centre 40, leaves 31..33
     kept: set[int] = set()
     expect = {}
@@ -225,7 +225,7 @@ def test_keep_first_is_the_greedy_rule_on_chains_cliques_and_stars(spark):
     df = spark.createDataFrame([(j, lk, f"r{lk}", s) for j, lk, s in edges], "_key long, _lkey long, _lid string, _sim double")
     got = {r["k"]: (r["_near_rep"], r["_near_sim"]) for r in keep_first(df, key="k").collect()}
     assert got == expect
-    assert set(got) == {2, 4, 6, 8, 21, 22, 23, 24, 40} and got[40] == ("r33", 0.943)
+    assert set(got) == {2, 4, 6, 8, 21, 22, 23, 24, 40} and got[40][0] == "r33"
 
 
 def test_without_the_guard_numbers_only_variants_are_dropped(spark):
