@@ -79,41 +79,54 @@ def run_filter(label: str, python: str, root: str, guard: str, in_uri: str, work
 
 
 def analyse(out_uri: str, items: list, vecs: dict, work: Path, label: str) -> dict:
+    """An instance, its rewording and its Unicode copy are one example; a hard negative is its own.
+    A row dropped as a near duplicate of a row of *another* example is a wrong drop (issue 27's
+    "numbers-only variant dropped"); an example with a rewording within the threshold is found when
+    exactly one of its rows survives."""
     import pyarrow.parquet as pq
 
     from pipeline_core.artifacts import fetch_artifact, read_manifest
 
     local = work / f"fetched-{label}"
-    fetch_artifact(out_uri, local)
+    if not local.exists():
+        fetch_artifact(out_uri, local)
     rej = {r["id"]: (r["reason"], json.loads(r["raw"] or "{}").get("detail") or "")
            for r in pq.read_table(local / "rejects").to_pylist()}
-    near = {i: d for i, (r, d) in rej.items() if r == "near_duplicate"}
-    by = lambda kind: [i for i in items if i.kind == kind]  # noqa: E731
+    by_id = {i.id: i for i in items}
+    example = lambda i: i.of if i.kind in ("rewording", "unicode_copy") else i.id  # noqa: E731
+    members: dict[str, list] = {}
+    for i in items:
+        members.setdefault(example(i), []).append(i)
+    near = {i: d.split("near duplicate of ")[1].split(" (")[0] for i, (r, d) in rej.items() if r == "near_duplicate"}
+    wrong = {i: rep for i, rep in near.items() if example(by_id[i]) != example(by_id[rep])}
     cos = lambda a, b: float(vecs[a] @ vecs[b]) / 2  # noqa: E731
-    inst, negs, rw, uc = by("instance"), by("negative"), by("rewording"), by("unicode_copy")
+    inst = [i for i in items if i.kind == "instance"]
     math_inst = [i for i in inst if i.category == "math"]
-    rw_pairs = [(i.id, i.of) for i in rw]
-    rw_reach = [(a, b) for a, b in rw_pairs if cos(a, b) >= THRESHOLD]
-    found = lambda pairs: sum(1 for a, b in pairs if (a in near) != (b in near))  # noqa: E731
-    reps = {i: d.split("near duplicate of ")[1].split(" (")[0] for i, d in near.items() if "near duplicate of " in d}
+    alive = lambda ex: sum(m.id not in rej for m in members[ex])  # noqa: E731
+    rw = [i for i in items if i.kind == "rewording"]
+    reach = [i for i in rw if all(cos(i.id, m.id) >= THRESHOLD for m in members[i.of] if m.id != i.id)]
     lost_by_template: dict[str, int] = {}
     for i in math_inst:
-        if i.id in near:
+        if i.id in wrong:
             lost_by_template[i.template] = lost_by_template.get(i.template, 0) + 1
+    negs = [i for i in items if i.kind == "negative"]
+    uc = [i for i in items if i.kind == "unicode_copy"]
     m = read_manifest(out_uri)
     nd = m.extra.get("near_duplicates") or {}
     return {
-        "math_variants": len(math_inst), "math_variants_dropped": sum(i.id in near for i in math_inst),
-        "code_variants": len(inst) - len(math_inst), "code_variants_dropped": sum(i.id in near for i in inst) - sum(
-            i.id in near for i in math_inst),
+        "math_variants": len(math_inst), "math_variants_dropped_for_another": sum(i.id in wrong for i in math_inst),
+        "code_variants": len(inst) - len(math_inst),
+        "code_variants_dropped_for_another": sum(i.id in wrong for i in inst if i.category == "code"),
         "variants_dropped_by_template": lost_by_template,
+        "wrong_drops": len(wrong), "examples": len(members), "examples_lost": sum(alive(e) == 0 for e in members),
         "hard_negatives": len(negs), "hard_negatives_dropped": sum(i.id in near for i in negs),
-        "rewording_pairs": len(rw_pairs), "rewordings_found": found(rw_pairs),
-        "rewording_recall": round(found(rw_pairs) / len(rw_pairs), 4),
-        "rewording_pairs_at_threshold": len(rw_reach), "rewordings_at_threshold_found": found(rw_reach),
-        "rewording_recall_at_threshold": round(found(rw_reach) / max(1, len(rw_reach)), 4),
-        "unicode_copies": len(uc), "unicode_copies_exact": sum(rej.get(i.id, ("",))[0] == "exact_duplicate" for i in uc),
-        "near_rejects": len(near), "chain_rejects": sum(1 for r in reps.values() if r in rej),
+        "rewordings": len(rw), "rewordings_found": sum(alive(i.of) == 1 for i in rw),
+        "rewording_recall": round(sum(alive(i.of) == 1 for i in rw) / len(rw), 4),
+        "rewordings_within_threshold": len(reach), "rewordings_within_threshold_found": sum(alive(i.of) == 1 for i in reach),
+        "rewording_recall_within_threshold": round(sum(alive(i.of) == 1 for i in reach) / max(1, len(reach)), 4),
+        "unicode_copies": len(uc),
+        "unicode_copies_exact": sum("exact_duplicate" in (rej.get(i.id, ("",))[0], rej.get(i.of, ("",))[0]) for i in uc),
+        "near_rejects": len(near), "chain_rejects": sum(1 for r in near.values() if r in rej),
         "counts": m.counts, "guard_saved_pairs": nd.get("guard_saved_pairs"),
         "guard_saved_by_split": nd.get("guard_saved_by_split"), "measured_recall": (nd.get("measured") or {}).get("recall"),
     }
@@ -125,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", type=int, default=48, help="instances per math template (10 templates)")
     ap.add_argument("--run", action="append", required=True, help="LABEL:PYTHON:CODE_ROOT:GUARD (GUARD empty = none set)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--reuse", action="store_true", help="a run whose output is committed is analysed, not re-run")
     a = ap.parse_args(argv)
     work = Path(a.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -136,7 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     res["records"] = len(items)
     for spec in a.run:
         label, python, root, guard = spec.split(":")
-        out_uri, secs = run_filter(label, os.path.abspath(python), os.path.abspath(root), guard, in_uri, work)
+        from pipeline_core import uris
+        from pipeline_core.artifacts import read_manifest
+
+        done = uris.qualify(work / "store" / "datasets" / "g" / "train" / label)
+        if a.reuse and read_manifest(done) is not None:  # analyse a committed run again
+            out_uri, secs = done, float("nan")
+        else:
+            out_uri, secs = run_filter(label, os.path.abspath(python), os.path.abspath(root), guard, in_uri, work)
         r = {"seconds": round(secs, 1), **analyse(out_uri, items, vecs, work, label)}
         res["runs"][label] = r
         print(json.dumps({label: r}), flush=True)
