@@ -82,7 +82,8 @@ def analyse(out_uri: str, items: list, vecs: dict, work: Path, label: str) -> di
     """An instance, its rewording and its Unicode copy are one example; a hard negative is its own.
     A row dropped as a near duplicate of a row of *another* example is a wrong drop (issue 27's
     "numbers-only variant dropped"); an example with a rewording within the threshold is found when
-    exactly one of its rows survives."""
+    exactly one of its rows survives (`..._removed`: at most one, the issue's recall, which does not
+    count an example lost altogether)."""
     import pyarrow.parquet as pq
 
     from pipeline_core.artifacts import fetch_artifact, read_manifest
@@ -124,6 +125,8 @@ def analyse(out_uri: str, items: list, vecs: dict, work: Path, label: str) -> di
         "rewording_recall": round(sum(alive(i.of) == 1 for i in rw) / len(rw), 4),
         "rewordings_within_threshold": len(reach), "rewordings_within_threshold_found": sum(alive(i.of) == 1 for i in reach),
         "rewording_recall_within_threshold": round(sum(alive(i.of) == 1 for i in reach) / max(1, len(reach)), 4),
+        # the issue's recall: the duplicate went (at most one row of the example left, none is over-removal)
+        "rewordings_within_threshold_removed": sum(alive(i.of) <= 1 for i in reach),
         "unicode_copies": len(uc),
         "unicode_copies_exact": sum("exact_duplicate" in (rej.get(i.id, ("",))[0], rej.get(i.of, ("",))[0]) for i in uc),
         "near_rejects": len(near), "chain_rejects": sum(1 for r in near.values() if r in rej),
