@@ -217,6 +217,8 @@ def guard_by_split(near_extra: dict | None, dropped: list[NearDuplicate], split_
     gone: dict[str, list[NearDuplicate]] = {}
     for d in dropped:
         gone.setdefault(split_of.get(d.id, NO_SPLIT), []).append(d)
-    return [GuardSplit(split=s, saved_pairs=int(counts.get(s, 0)), dropped=len(gone.get(s, [])),
+    # counts by the filter's own split rule (prompt key) when the manifest has them
+    n_gone = near_extra.get("dropped_by_split") or {s: len(v) for s, v in gone.items()}
+    return [GuardSplit(split=s, saved_pairs=int(counts.get(s, 0)), dropped=int(n_gone.get(s, 0)),
                        saved_examples=saved.get(s, [])[:examples], dropped_examples=gone.get(s, [])[:examples])
-            for s in sorted(set(counts) | set(saved) | set(gone))]
+            for s in sorted(set(counts) | set(saved) | set(n_gone) | set(gone))]

@@ -91,6 +91,7 @@ class NearDupReport:
     guard_saved_rows: int | None = None  # rows with at least one such pair (the larger key of the pair)
     guard_saved_by_split: dict[str, int] | None = None  # saved pairs by the split of their larger-key row
     guard_saved_examples: tuple[SavedPair, ...] = ()  # a few per split, most similar first
+    dropped_by_split: dict[str, int] | None = None  # near duplicates dropped, by the split of their prompt
 
     def as_manifest(self) -> dict:
         d = asdict(self)

@@ -166,9 +166,11 @@ def prompts_past_cap(per_prompt: DataFrame, seed: int, cap: int) -> DataFrame:
 SAVED_EXAMPLES = 5  # guard-saved pairs per split in the manifest (the data report shows them)
 
 
-def saved_by_split(report: NearDupReport, saved: DataFrame, lean: DataFrame, fcfg: FilterSection) -> NearDupReport:
+def saved_by_split(report: NearDupReport, saved: DataFrame, near: DataFrame, lean: DataFrame,
+                   fcfg: FilterSection) -> NearDupReport:
     """The report with the guard-saved pairs counted by the split of their larger-key row's prompt
-    (the filter's split rule) and a few examples per split, most similar first."""
+    (the filter's split rule) and a few examples per split, most similar first; the dropped near
+    duplicates counted by the same rule (the data report shows both side by side)."""
     from dataclasses import replace
 
     from pyspark.sql import Window
@@ -183,8 +185,11 @@ def saved_by_split(report: NearDupReport, saved: DataFrame, lean: DataFrame, fcf
     top = (rows.withColumn("_rank", F.row_number().over(w)).where(F.col("_rank") <= SAVED_EXAMPLES)
            .orderBy("_split", "_rank").collect())
     rows.unpersist()
+    dropped = {r["_split"]: int(r["n"]) for r in near.join(lean.select("_key", "_prompt_key"), "_key").groupBy(
+        split_column("_prompt_key", fcfg.seed, fcfg.val_fraction).alias("_split")).agg(F.count(F.lit(1)).alias("n")).collect()}
     examples = tuple(SavedPair(r["_split"], r["id"], r["_lid"], round(float(r["_sim"]), 4)) for r in top)
-    return replace(report, guard_saved_by_split=dict(sorted(counts.items())), guard_saved_examples=examples)
+    return replace(report, guard_saved_by_split=dict(sorted(counts.items())), guard_saved_examples=examples,
+                   dropped_by_split=dict(sorted(dropped.items())))
 
 
 def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: list | None = None) -> DataFrame:
@@ -215,7 +220,7 @@ def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: 
                                       group="_context_key", guard="_guard")
         near = found.frame
         if reports is not None:
-            reports.append(saved_by_split(found.report, found.saved, lean, fcfg))
+            reports.append(saved_by_split(found.report, found.saved, near, lean, fcfg))
         found.saved.unpersist()
         marks = marks.unionByName(near.select(
             "_key", F.lit(dedup.NEAR_DUPLICATE).alias("reason"),
