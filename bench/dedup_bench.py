@@ -138,6 +138,7 @@ def cost_model(cluster_size: int, probes: int, copies_per_row: float, leaves_per
     rows = unit(rng.normal(size=(cluster_size, 2, DIM))).reshape(cluster_size, 2 * DIM).astype(np.float32)
     table = pa.table({"_cluster": pa.array([0] * cluster_size, pa.int32()), "_key": np.arange(cluster_size, dtype=np.int64),
                       "_id": [f"r{i}" for i in range(cluster_size)], "_group": np.zeros(cluster_size, np.int64),
+                      "_guard": np.zeros(cluster_size, np.int64), "_joined": [[0, -1]] * cluster_size,
                       "_vec": vector_array(rows)})
     t = time.process_time()
     for _ in range(5):

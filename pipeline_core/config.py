@@ -278,6 +278,9 @@ class FilterSection(SparkStageSection):
     lsh_seed: int = content(0, trigger=True)
     near_dup_method: Literal["cluster", "lsh"] = content(
         "cluster", description="cluster: k-means first, exact cosine inside clusters (recall independent of N); lsh", trigger=True)
+    near_dup_guard: Literal["numbers", "none"] = content(
+        "numbers", description="numbers: near duplicates must also agree on the question's numbers, code identifiers "
+        "and literals, and the final answer (docs/filter.md); none: similarity alone", trigger=True)
     near_dup_cluster_size: int = content(2000, ge=16, le=1_000_000, description="target rows per k-means cluster", trigger=True)
     near_dup_probes: int = content(2, ge=1, le=16, description="clusters a row may join (boundary pairs)", trigger=True)
     near_dup_probe_margin: float = content(0.05, ge=0.0, le=2.0, description="join a further cluster within this cosine", trigger=True)

@@ -40,6 +40,7 @@ from reports.facts import (
     NearDuplicate,
     ReportFacts,
     document_lengths,
+    guard_by_split,
     mask_spans,
     near_duplicate_of,
     read_table,
@@ -56,6 +57,7 @@ KIND = "data-report"
 PAGE = "data/index.html"
 TEMPLATE = "data_report.html.j2"
 NEAR_DUP_SAMPLE = 12
+GUARD_EXAMPLES = 3  # saved and dropped pairs shown per split
 LENGTH_SAMPLE_ROWS = 4000  # packed rows per split read for the length histogram and the example
 
 
@@ -100,6 +102,7 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
     # rejects of both stages, by split (a record's split is a function of its id alone)
     rejects_by_split: dict[str, dict[str, int]] = {}
     near: list[dict] = []
+    near_split: dict[str, str] = {}
     filter_rejected: set[str] = set()
     for stage_dir, m in ((en_dir, en), (tr_dir, tr)):
         for row in reject_rows(_parquet(stage_dir, m, "rejects/")):
@@ -111,6 +114,7 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
                 filter_rejected.add(row["id"])
             if m is tr and row["reason"] == NEAR_DUPLICATE:
                 near.append(row)
+                near_split[row["id"]] = split
 
     # similarity distributions of the enriched rows, and of the rows the filter kept
     table = read_table(_parquet(en_dir, en, "data/"), ["id", "question", *SIM_COLUMNS])
@@ -171,6 +175,8 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
         packing_by_split={s: v.get("packing_efficiency") for s, v in splits.items()},
         example=example, example_split=example_split,
         decontamination=info.decontamination if info else None,
+        near_dup_guard=(tr.extra.get("near_duplicates") or {}).get("guard"),
+        guard_by_split=guard_by_split(tr.extra.get("near_duplicates"), pairs, near_split, question_of, GUARD_EXAMPLES),
     )
 
 

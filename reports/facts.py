@@ -38,6 +38,18 @@ class NearDuplicate:
 
 
 @dataclass(frozen=True)
+class GuardSplit:
+    """One split's near-duplicate decisions (issue 27): the pairs the guard kept apart (both rows
+    stay: they differ in numbers, code or final answer) and the pairs dropped as the same example."""
+
+    split: str
+    saved_pairs: int
+    dropped: int
+    saved_examples: list[NearDuplicate]
+    dropped_examples: list[NearDuplicate]
+
+
+@dataclass(frozen=True)
 class Span:
     text: str
     trained: bool
@@ -77,11 +89,15 @@ class ReportFacts:
     example: list[Span] = field(default_factory=list)
     example_split: str | None = None
     decontamination: DecontamInfo | None = None  # the eval sets the filter matched against, rows removed per set
+    near_dup_guard: str | None = None  # the filter's near_dup_guard; None: manifest from before issue 27
+    guard_by_split: list[GuardSplit] = field(default_factory=list)
 
     def to_extra(self) -> dict[str, Any]:
         return {"headline": asdict(self.headline), "dataset_version": self.dataset_version,
                 "thresholds": self.thresholds, "near_duplicates_shown": len(self.near_duplicates),
-                "decontamination": self.decontamination.model_dump(mode="json") if self.decontamination else None}
+                "decontamination": self.decontamination.model_dump(mode="json") if self.decontamination else None,
+                "near_dup_guard": self.near_dup_guard,
+                "guard_saved_pairs_by_split": {g.split: g.saved_pairs for g in self.guard_by_split}}
 
 
 def train_ready_info(manifest: Manifest) -> TrainReadyInfo | None:
@@ -186,3 +202,24 @@ def richest_document(input_ids: list[list[int]], labels: list[list[int]], positi
             if best_key is None or key < best_key:
                 best, best_key = (list(ids[s:e]), list(lab[s:e])), key
     return best
+
+
+def guard_by_split(near_extra: dict | None, dropped: list[NearDuplicate], split_of: dict[str, str],
+                   question_of: dict[str, str], examples: int) -> list[GuardSplit]:
+    """Per split: the guard-saved pair count and examples (the filter manifest's
+    `extra.near_duplicates`) beside the dropped pairs (the near-duplicate rejects)."""
+    near_extra = near_extra or {}
+    counts = near_extra.get("guard_saved_by_split") or {}
+    saved: dict[str, list[NearDuplicate]] = {}
+    for e in near_extra.get("guard_saved_examples") or []:
+        saved.setdefault(e["split"], []).append(NearDuplicate(
+            id=e["id"], question=question_of.get(e["id"]) or "", duplicate_of=e["other_id"],
+            duplicate_question=question_of.get(e["other_id"]), score=e["similarity"]))
+    gone: dict[str, list[NearDuplicate]] = {}
+    for d in dropped:
+        gone.setdefault(split_of.get(d.id, NO_SPLIT), []).append(d)
+    # counts by the filter's own split rule (prompt key) when the manifest has them
+    n_gone = near_extra.get("dropped_by_split") or {s: len(v) for s, v in gone.items()}
+    return [GuardSplit(split=s, saved_pairs=int(counts.get(s, 0)), dropped=int(n_gone.get(s, 0)),
+                       saved_examples=saved.get(s, [])[:examples], dropped_examples=gone.get(s, [])[:examples])
+            for s in sorted(set(counts) | set(saved) | set(n_gone) | set(gone))]

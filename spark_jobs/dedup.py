@@ -5,14 +5,16 @@ prompt and answer; the record with the smallest key is kept.
 
 Near duplicates: two records are near duplicates when the mean of their question cosine and
 answer cosine (= the cosine of the concatenated, normalised [question; answer] embeddings, over 2)
-is >= the threshold. No all-pairs join: random-hyperplane LSH (SimHash) puts each record in
+is >= the threshold AND the near-duplicate guard agrees (near_dup_guard.py: same numbers in the
+question, same code identifiers and literals, same final answer; setting `near_dup_guard`). No
+all-pairs join: random-hyperplane LSH (SimHash) puts each record in
 `bands` buckets of `rows_per_band` sign bits. Records sharing at least `min_band_matches` buckets
 are candidates (only key pairs are shuffled for this), and only candidates are compared with the
 exact cosine. Inside a bucket every member is paired with at most the bucket's `max_leaders`
-smallest keys, so work per record is bounded even when a bucket is huge. A record is dropped when
-a record with a smaller key is its near duplicate: deterministic, independent of partitioning
-and order (a chain a~b~c with a !~ c drops both b and c; each reject names the record it
-duplicates).
+smallest keys, so work per record is bounded even when a bucket is huge. Which rows go is decided
+over all such pairs by keep_first.py (greedy keep-first in key order): a row is dropped only as a
+near duplicate of a row that is kept, which its reject names; deterministic, independent of
+partitioning and order (a chain a~b~c with a !~ c keeps a and c).
 
 A pair of cosine c collides in one band with p = (1 - arccos(c)/pi) ** rows_per_band; the number
 of shared bands is Binomial(bands, p). Defaults (48 bands x 16 bits, >= 2 shared bands): a pair
@@ -43,6 +45,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, LongType
 
 from spark_jobs.dedup_types import ClusterSettings, LshSettings, NearDupReport, NearDupSettings
+from spark_jobs.keep_first import keep_first
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +101,7 @@ def _half_dot(a: pd.Series, b: pd.Series) -> pd.Series:
                                np.stack(b.to_numpy()).astype(np.float64)) / 2.0)
 
 
-def find_near_duplicates(
+def lsh_pairs(
     df: DataFrame,
     *,
     key: str,
@@ -110,13 +113,17 @@ def find_near_duplicates(
     seed: int,
     min_band_matches: int = 1,
     group: str | None = None,
-) -> DataFrame:
-    """(key, `_near_rep` id of the smallest-key near duplicate, `_near_sim`) for every record that has one.
-    `vec` holds the concatenated unit-norm question and answer embeddings; with `group`, only rows of
-    the same group value can be near duplicates (a bucket is (band, code, group))."""
-    sig = _signature_udf(bands, rows_per_band, seed)
+    guard: str | None = None,
+) -> tuple[DataFrame, DataFrame]:
+    """(edges, saved) as near_dup_clusters returns them: edges (_key, _lkey, _lid, _sim) are the
+    candidate pairs at sim >= threshold whose `guard` keys agree, saved (_key, _saved, _lkey, _lid,
+    _sim) counts per row those whose keys differ. `vec` holds the concatenated unit-norm question
+    and answer embeddings; with `group`, only rows of the same group value can be near duplicates (a
+    bucket is (band, code, group))."""
     from spark_jobs.dedup_recall import group_column
+    from spark_jobs.near_dup_clusters import saved_per_row
 
+    sig = _signature_udf(bands, rows_per_band, seed)
     buckets = df.select(F.col(key), group_column(group).alias("_group"), F.posexplode(sig(F.col(vec))).alias("_band", "_code"))
     w = Window.partitionBy("_band", "_code", "_group")
     buckets = (
@@ -137,16 +144,28 @@ def find_near_duplicates(
         .filter(F.col("_matches") >= min_band_matches)
         .select("_lkey", key)
     )
-    left = df.select(F.col(key).alias("_lkey"), F.col("id").alias("_lid"), F.col(vec).alias("_lvec"))
-    right = df.select(key, vec)
+    left = df.select(F.col(key).alias("_lkey"), F.col("id").alias("_lid"), F.col(vec).alias("_lvec"),
+                     group_column(guard).alias("_lguard"))
+    right = df.select(key, vec, group_column(guard).alias("_guard"))
     sims = (
         pairs.join(left, "_lkey")
         .join(right, key)
-        .select(key, "_lkey", "_lid", _half_dot(F.col("_lvec"), F.col(vec)).alias("_sim"))
+        .select(F.col(key).alias("_key"), "_lkey", "_lid", (F.col("_lguard") == F.col("_guard")).alias("_agree"),
+                _half_dot(F.col("_lvec"), F.col(vec)).alias("_sim"))
         .filter(F.col("_sim") >= threshold)
+        .persist()
     )
-    best = sims.groupBy(key).agg(F.min(F.struct("_lkey", "_lid", "_sim")).alias("_m"))
-    return best.select(key, F.col("_m._lid").alias("_near_rep"), F.col("_m._sim").alias("_near_sim"))
+    edges = sims.where("_agree").select("_key", "_lkey", "_lid", "_sim")
+    saved = saved_per_row(sims.where(~F.col("_agree")).select("_key", F.lit(1).cast("long").alias("_saved"),
+                                                                "_lkey", "_lid", "_sim"))
+    return edges, saved
+
+
+def find_near_duplicates(df: DataFrame, *, key: str, vec: str, **lsh) -> DataFrame:
+    """(key, `_near_rep` id of a kept record, `_near_sim`) for every record the LSH method drops
+    (`lsh_pairs`' arguments; keep_first.py decides)."""
+    edges, _ = lsh_pairs(df, key=key, vec=vec, **lsh)
+    return keep_first(edges, key=key)
 
 
 def lsh_candidate_probability(cosine: float, bands: int, rows_per_band: int, min_band_matches: int) -> float:
@@ -193,6 +212,7 @@ def settings_for(f) -> NearDupSettings:
     (`plan_lsh` says what a row count needs, `near_duplicates` warns when they fall short)."""
     return NearDupSettings(
         threshold=f.near_dup_threshold, method=f.near_dup_method, recall_sample=f.near_dup_recall_sample,
+        guard=f.near_dup_guard,
         cluster=ClusterSettings(cluster_size=f.near_dup_cluster_size, probes=f.near_dup_probes,
                                 probe_margin=f.near_dup_probe_margin, max_cluster_factor=f.near_dup_max_cluster_factor,
                                 split_rounds=f.near_dup_split_rounds, coarse_probes=f.near_dup_coarse_probes,
@@ -204,16 +224,19 @@ def settings_for(f) -> NearDupSettings:
 @dataclass(frozen=True)
 class NearDuplicates:
     frame: DataFrame  # key, _near_rep (id of the kept record), _near_sim
+    saved: DataFrame  # _key, _saved (pairs the guard kept apart), _lkey, _lid, _sim (its most similar one)
     report: NearDupReport
 
 
 def near_duplicates(df: DataFrame, *, key: str, vec: str, settings: NearDupSettings, rows: int | None = None,
-                    group: str | None = None) -> NearDuplicates:
+                    group: str | None = None, guard: str | None = None) -> NearDuplicates:
     """Near duplicates of `df` (key, id, vec = concatenated unit question and answer vectors) by the
     configured method, with the recall measured on a sample of these rows. With `group` (a long
     column), two rows can be near duplicates only when their group values are equal: the filter
     passes a hash of the conversation's context, so a multi-turn or contextual conversation is never
-    dropped as a copy of a single-turn one that ends in the same question and answer. `df` is read
+    dropped as a copy of a single-turn one that ends in the same question and answer. With `guard`
+    (a long column, near_dup_guard.guard_column), two rows can be near duplicates only when their
+    guard keys are equal too; the pairs that differ only there are counted ("saved"). `df` is read
     several times: persist it first."""
     from spark_jobs.dedup_recall import measure_recall
     from spark_jobs.near_dup_clusters import find_near_duplicates_clustered
@@ -223,9 +246,11 @@ def near_duplicates(df: DataFrame, *, key: str, vec: str, settings: NearDupSetti
     extra: dict = {}
     if settings.method == "cluster":
         c = settings.cluster
-        got = find_near_duplicates_clustered(df, key=key, vec=vec, threshold=t, rows=rows, s=c, group=group)
-        frame, clustering = got.found.persist(), got.clustering
-        frame.count()  # materialised from the cached in-cluster output, which can then go
+        got = find_near_duplicates_clustered(df, key=key, vec=vec, threshold=t, rows=rows, s=c, group=group,
+                                             guard=guard)
+        clustering = got.clustering
+        frame, saved = keep_first(got.edges, key=key), got.saved.persist()
+        saved.count()  # both materialised from the cached in-cluster output, which can then go
         size_stats = got.sizes.agg(F.count(F.lit(1)).alias("k"), F.max("count").alias("mx"),
                                    F.avg("count").alias("avg")).first()
         got.cached.unpersist()
@@ -236,9 +261,10 @@ def near_duplicates(df: DataFrame, *, key: str, vec: str, settings: NearDupSetti
         expected, warnings = None, cluster_warnings(extra["largest_cluster"], clustering.unsplit_oversized, c)
     else:
         s = settings.lsh
-        frame = find_near_duplicates(df, key=key, vec=vec, threshold=t, bands=s.bands, rows_per_band=s.rows_per_band,
-                                     max_leaders=s.max_leaders, seed=s.seed, min_band_matches=s.min_band_matches,
-                                     group=group).persist()
+        edges, saved = lsh_pairs(df, key=key, vec=vec, threshold=t, bands=s.bands, rows_per_band=s.rows_per_band,
+                                 max_leaders=s.max_leaders, seed=s.seed, min_band_matches=s.min_band_matches,
+                                 group=group, guard=guard)
+        frame, saved = keep_first(edges, key=key), saved.persist()
         params = dict(s.__dict__)
         expected = round(lsh_candidate_probability(t, s.bands, s.rows_per_band, s.min_band_matches), 4)
         warnings = lsh_warnings(rows, s)
@@ -247,10 +273,13 @@ def near_duplicates(df: DataFrame, *, key: str, vec: str, settings: NearDupSetti
     measured = None
     if settings.recall_sample > 0 and rows > 1:
         measured = measure_recall(df, frame, key=key, vec=vec, threshold=t, rows=rows, sample=settings.recall_sample,
-                                  seed=settings.recall_seed, group=group)
+                                  seed=settings.recall_seed, group=group, guard=guard)
         if measured.recall is not None:
             log.info("near duplicates (%s): measured recall %.4f [%.4f, %.4f] on %d sampled rows with a duplicate",
                      settings.method, measured.recall, measured.low_95, measured.high_95, measured.with_duplicate)
+    agg = saved.agg(F.count(F.lit(1)).alias("rows"), F.sum("_saved").alias("pairs")).first()
     report = NearDupReport(method=settings.method, rows=rows, threshold=t, parameters=params,
-                           expected_recall_at_threshold=expected, measured=measured, warnings=warnings, **extra)
-    return NearDuplicates(frame, report)
+                           expected_recall_at_threshold=expected, measured=measured, warnings=warnings,
+                           guard=settings.guard, guard_saved_pairs=int(agg["pairs"] or 0),
+                           guard_saved_rows=int(agg["rows"] or 0), **extra)
+    return NearDuplicates(frame, saved, report)

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 Method = Literal["cluster", "lsh"]
+Guard = Literal["numbers", "none"]  # near_dup_guard.py
 # float32 products find candidates down to this under the threshold (they can sit a hair under the
 # float64 cosine); the float64 product of the candidate pairs decides
 FLOAT32_SLACK = 1e-5
@@ -43,12 +44,15 @@ class NearDupSettings:
     lsh: LshSettings = field(default_factory=LshSettings)
     recall_sample: int = 2000  # rows whose true near duplicates are found by brute force (0 = no check)
     recall_seed: int = 1
+    guard: Guard = "numbers"  # what the pairs must also agree on (near_dup_guard.py); the caller computes the keys
 
 
 @dataclass(frozen=True)
 class RecallEstimate:
     """Recall measured on the run's own rows: of the sampled rows that truly have a smaller-key
-    near duplicate (brute force against every row), the share the method dropped."""
+    near duplicate (brute force against every row; guard keys equal), the share the method handled:
+    dropped it, or (keep-first) dropped every one of those smaller duplicates. A miss is a kept row
+    with a kept smaller-key near duplicate: a duplicate left in the output."""
 
     sampled_rows: int
     with_duplicate: int
@@ -56,6 +60,16 @@ class RecallEstimate:
     recall: float | None
     low_95: float | None  # Wilson score interval
     high_95: float | None
+
+
+@dataclass(frozen=True)
+class SavedPair:
+    """A pair the guard kept apart: both rows stay (the data report shows them)."""
+
+    split: str  # of `id`'s prompt
+    id: str
+    other_id: str  # the smaller-key row it resembles
+    similarity: float
 
 
 @dataclass(frozen=True)
@@ -72,8 +86,15 @@ class NearDupReport:
     split_clusters: int | None = None  # k-means clusters replaced by a k-means of their own members
     assignment_agreement: float | None = None  # sample rows the centroid index assigns as exhaustive search does
     warnings: tuple[str, ...] = ()
+    guard: Guard = "numbers"
+    guard_saved_pairs: int | None = None  # pairs at sim >= threshold that the guard kept apart
+    guard_saved_rows: int | None = None  # rows with at least one such pair (the larger key of the pair)
+    guard_saved_by_split: dict[str, int] | None = None  # saved pairs by the split of their larger-key row
+    guard_saved_examples: tuple[SavedPair, ...] = ()  # a few per split, most similar first
+    dropped_by_split: dict[str, int] | None = None  # near duplicates dropped, by the split of their prompt
 
     def as_manifest(self) -> dict:
         d = asdict(self)
         d["warnings"] = list(self.warnings)
+        d["guard_saved_examples"] = [asdict(p) for p in self.guard_saved_examples]
         return d

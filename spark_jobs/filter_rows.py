@@ -25,6 +25,8 @@ from spark_jobs.conversation import (
     prompt_text,
     sha256_hex,
 )
+from spark_jobs.dedup_types import NearDupReport, SavedPair
+from spark_jobs.near_dup_guard import guard_column
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -109,7 +111,8 @@ def keyed(df: DataFrame, fcfg: FilterSection) -> DataFrame:
           .withColumn("_text_hash", F.col("_k.text_hash"))
           .withColumn("_key", F.xxhash64(F.coalesce(F.col("id"), F.lit("")), F.coalesce("_text_hash", F.lit("")),
                                          "_file", "_row"))
-          .withColumn("_context_key", context_key(df)))
+          .withColumn("_context_key", context_key(df))
+          .withColumn("_guard", guard_column(F.col("question"), F.col("answer"), fcfg.near_dup_guard)))
     blank = lambda c: F.col(c).isNull() | (F.length(F.trim(F.col(c))) == 0)  # noqa: E731
     emb_bad = lambda c: F.col(c).isNull() | (F.size(F.col(c)) == 0)  # noqa: E731
     checks = [
@@ -161,6 +164,35 @@ def prompts_past_cap(per_prompt: DataFrame, seed: int, cap: int) -> DataFrame:
             .filter(F.col("_cum") > cap).select("_prompt_key"))
 
 
+SAVED_EXAMPLES = 5  # guard-saved pairs per split in the manifest (the data report shows them)
+
+
+def saved_by_split(report: NearDupReport, saved: DataFrame, near: DataFrame, lean: DataFrame,
+                   fcfg: FilterSection) -> NearDupReport:
+    """The report with the guard-saved pairs counted by the split of their larger-key row's prompt
+    (the filter's split rule) and a few examples per split, most similar first; the dropped near
+    duplicates counted by the same rule (the data report shows both side by side)."""
+    from dataclasses import replace
+
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    from spark_jobs.split import split_column
+
+    rows = saved.join(lean.select("_key", "id", "_prompt_key"), "_key").withColumn(
+        "_split", split_column("_prompt_key", fcfg.seed, fcfg.val_fraction)).persist()
+    counts = {r["_split"]: int(r["n"]) for r in rows.groupBy("_split").agg(F.sum("_saved").alias("n")).collect()}
+    w = Window.partitionBy("_split").orderBy(F.desc("_sim"), "_key")
+    top = (rows.withColumn("_rank", F.row_number().over(w)).where(F.col("_rank") <= SAVED_EXAMPLES)
+           .orderBy("_split", "_rank").collect())
+    rows.unpersist()
+    dropped = {r["_split"]: int(r["n"]) for r in near.join(lean.select("_key", "_prompt_key"), "_key").groupBy(
+        split_column("_prompt_key", fcfg.seed, fcfg.val_fraction).alias("_split")).agg(F.count(F.lit(1)).alias("n")).collect()}
+    examples = tuple(SavedPair(r["_split"], r["id"], r["_lid"], round(float(r["_sim"]), 4)) for r in top)
+    return replace(report, guard_saved_by_split=dict(sorted(counts.items())), guard_saved_examples=examples,
+                   dropped_by_split=dict(sorted(dropped.items())))
+
+
 def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: list | None = None,
               decon: Decontaminator | None = None) -> DataFrame:
     """(`_file`, `_row`, `_key`, `reason`, `detail`, `split`) for every row: `reason` null = kept, in
@@ -175,7 +207,7 @@ def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: 
 
     grams = [dc.record_grams(F.col("_messages_json"), fcfg, decon.short_lengths).alias("_grams")] if decon else []
     lean = ctx.persist(rows.select(
-        "id", "_file", "_row", "_key", "_prompt_key", "_text_hash", "_context_key", "_check", "_check_detail",
+        "id", "_file", "_row", "_key", "_prompt_key", "_text_hash", "_context_key", "_guard", "_check", "_check_detail",
         F.concat(F.col("question_embedding"), F.col("answer_embedding")).alias("_vec"), *grams,
     ))
     ok = F.col("_check").isNull()
@@ -197,10 +229,11 @@ def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: 
         eligible = eligible.join(exact.select("_key"), "_key", "left_anti")
     if fcfg.near_dup_threshold is not None:
         found = dedup.near_duplicates(eligible, key="_key", vec="_vec", settings=dedup.settings_for(fcfg),
-                                      group="_context_key")
+                                      group="_context_key", guard="_guard")
         near = found.frame
         if reports is not None:
-            reports.append(found.report)
+            reports.append(saved_by_split(found.report, found.saved, near, lean, fcfg))
+        found.saved.unpersist()
         marks = marks.unionByName(near.select(
             "_key", F.lit(dedup.NEAR_DUPLICATE).alias("reason"),
             F.format_string("near duplicate of %s (similarity %.4f)", F.col("_near_rep"), F.col("_near_sim")).alias("detail")))

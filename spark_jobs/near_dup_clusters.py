@@ -19,8 +19,12 @@
    (centroid_index.py: coarse k-means over the centroids, `coarse_probes` coarse lists scored per
    row), so assignment costs ~sqrt(clusters) products per row instead of one per cluster; the
    Lloyd steps and the split's size estimates use the same index.
-4. Inside each cluster: exact pairwise cosine, blocked matrix products (no approximation); each
-   row's representative is the smallest-key member at cosine >= threshold with a smaller key.
+4. Inside each cluster: exact pairwise cosine, blocked matrix products (no approximation). A pair
+   at cosine >= threshold of the same group is an edge when the near-duplicate guard agrees
+   (near_dup_guard.py: equal guard keys) and a "saved" pair when it does not; each pair is
+   reported by one cluster only, the lowest-numbered one both rows joined. Which rows go is then
+   decided over all edges at once (keep_first.py: greedy keep-first by key, every dropped row
+   names a kept one), not per cluster: a row that joined two clusters has one decision.
 
 The recall does not depend on bucket sizes: a pair is missed only when k-means puts its two rows
 in different clusters and the probes do not bring them together, which does not get more likely
@@ -43,8 +47,10 @@ from spark_jobs.spherical_kmeans import spherical_kmeans, unit_rows
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
-PAIR_SCHEMA = "_cluster int, _members long, _key long, _lkey long, _lid string, _sim double"
-ASSIGN_SCHEMA = "_cluster int, _key long, _id string, _group long, _vec array<float>"
+# one size row per cluster (`_members` set, `_key` null); one row per edge (`_saved` null); one row
+# per row with guard-saved pairs (`_saved` = how many, `_lkey`/`_lid`/`_sim` its most similar one)
+PAIR_SCHEMA = "_cluster int, _members long, _key long, _lkey long, _lid string, _sim double, _saved long"
+ASSIGN_SCHEMA = "_cluster int, _key long, _id string, _group long, _guard long, _joined array<int>, _vec array<float>"
 _BLOCK = 2048  # rows per block of the in-cluster similarity product (block x members floats in memory)
 _AGREEMENT_ROWS = 4096  # held-out sample rows on which the index is compared with exhaustive search
 _SAMPLE_BUCKETS = 1 << 20
@@ -142,15 +148,25 @@ def assign_batches(batches, index: CentroidIndex, key: str, vec: str, probes: in
         top, keep = index.top(unit_rows(m), probes, margin)
         rows, ranks = np.nonzero(keep)
         take = pa.array(rows)
+        joined = np.where(keep, top, -1).astype(np.int32)[rows]  # every cluster the row joined (-1: none)
+        offsets = pa.array(np.arange(len(rows) + 1, dtype=np.int32) * np.int32(joined.shape[1]))
         yield pa.RecordBatch.from_arrays(
             [pa.array(top[rows, ranks].astype(np.int32)), b.column(key).take(take), b.column("id").take(take),
-             b.column("_group").take(take), vector_array(m[rows])],
-            names=["_cluster", "_key", "_id", "_group", "_vec"])
+             b.column("_group").take(take), b.column("_guard").take(take),
+             pa.ListArray.from_arrays(offsets, pa.array(joined.ravel())), vector_array(m[rows])],
+            names=["_cluster", "_key", "_id", "_group", "_guard", "_joined", "_vec"])
+
+
+def _owned(joined: np.ndarray, j: np.ndarray, lo: np.ndarray, cluster: int) -> np.ndarray:
+    """Pairs (j, lo) this cluster reports: no cluster numbered below it holds both rows."""
+    a, b = joined[j][:, :, None], joined[lo][:, None, :]
+    return ~((a == b) & (a >= 0) & (a < cluster)).any(axis=(1, 2))
 
 
 def pairs_in_cluster(t, threshold: float):
-    """applyInArrow body: one cluster's members -> its size row (`_members`, `_key` null) and, per member
-    with one, its smallest smaller-key member at sim >= threshold of the same `_group`.
+    """applyInArrow body: one cluster's members -> its size row (`_members`, `_key` null), every edge
+    (a smaller-key member at sim >= threshold, same `_group`, same `_guard`) and, per member with
+    any, its guard-saved pairs (same but the guard keys differ): count and most similar partner.
     sim = dot([q;a], [q';a']) / 2 = the mean of question and answer cosine."""
     import pyarrow as pa
 
@@ -160,7 +176,11 @@ def pairs_in_cluster(t, threshold: float):
     first[1:] = keys_all[order][1:] != keys_all[order][:-1]  # a row that joined twice (never here) counts once
     order = order[first]
     keys, groups = keys_all[order], t.column("_group").to_numpy()[order]
+    guards = t.column("_guard").to_numpy()[order]
     ids = t.column("_id").combine_chunks().take(pa.array(order))
+    jl = t.column("_joined").combine_chunks()
+    joined = (np.asarray(jl.flatten().to_numpy(zero_copy_only=False), np.int32).reshape(len(jl), -1)[order]
+              if len(order) else np.zeros((0, 1), np.int32))
     m = vector_matrix(t.column("_vec"), "_vec")[order] if len(order) else np.zeros((0, 0), np.float32)
     cluster = t.column("_cluster")[0].as_py() if t.num_rows else None
     out_j, out_l = [], []
@@ -169,53 +189,76 @@ def pairs_in_cluster(t, threshold: float):
         sims = (m[lo:hi] @ m[:hi].T) / 2.0  # rows lo..hi against every member with a smaller key (sorted)
         sims[np.arange(hi - lo)[:, None] <= np.arange(hi)[None, :] - lo] = -np.inf  # only earlier (smaller) keys
         sims[groups[lo:hi, None] != groups[None, :hi]] = -np.inf  # only rows of the same group
-        hit = sims >= threshold - FLOAT32_SLACK
-        rows = np.nonzero(hit.any(axis=1))[0]
-        if len(rows):
-            out_j.append(lo + rows)
-            out_l.append(hit[rows].argmax(axis=1))  # the smallest key wins, as in the LSH path
+        r, c = np.nonzero(sims >= threshold - FLOAT32_SLACK)
+        out_j.append(lo + r)
+        out_l.append(c)
     jidx = np.concatenate(out_j) if out_j else np.zeros(0, np.int64)
     lidx = np.concatenate(out_l) if out_l else np.zeros(0, np.int64)
     # the decision is the float64 cosine, as in the LSH path; float32 only finds the candidates
     sims64 = np.einsum("ij,ij->i", m[jidx].astype(np.float64), m[lidx].astype(np.float64)) / 2.0
-    ok = sims64 >= threshold
-    n = int(ok.sum())
+    ok = (sims64 >= threshold) & _owned(joined, jidx, lidx, cluster if cluster is not None else 0)
+    agree = guards[jidx] == guards[lidx]
+    edge, saved = ok & agree, ok & ~agree
+    # saved pairs: one row per larger-key member, its most similar saved partner as the example
+    sj, sl, ss = jidx[saved], lidx[saved], sims64[saved]
+    pick = np.lexsort((-ss, sj))  # by member, most similar first
+    sj, sl, ss = sj[pick], sl[pick], ss[pick]
+    heads = np.ones(len(sj), bool)
+    heads[1:] = sj[1:] != sj[:-1]
+    counts = np.diff(np.append(np.nonzero(heads)[0], len(sj)))
+    sj, sl, ss = sj[heads], sl[heads], ss[heads]
+    n_e, n_s = int(edge.sum()), len(sj)
+    none = lambda n, t: pa.nulls(n, t)  # noqa: E731
     return pa.table({
-        "_cluster": pa.array([cluster] * (n + 1), pa.int32()),
-        "_members": pa.array([len(keys)] + [None] * n, pa.int64()),
-        "_key": pa.array([None] + keys[jidx[ok]].tolist(), pa.int64()),
-        "_lkey": pa.array([None] + keys[lidx[ok]].tolist(), pa.int64()),
-        "_lid": pa.concat_arrays([pa.array([None], pa.string()), ids.take(pa.array(lidx[ok])).cast(pa.string())]),
-        "_sim": pa.array([None] + sims64[ok].tolist(), pa.float64()),
+        "_cluster": pa.array([cluster] * (1 + n_e + n_s), pa.int32()),
+        "_members": pa.concat_arrays([pa.array([len(keys)], pa.int64()), none(n_e + n_s, pa.int64())]),
+        "_key": pa.array([None, *keys[jidx[edge]].tolist(), *keys[sj].tolist()], pa.int64()),
+        "_lkey": pa.array([None, *keys[lidx[edge]].tolist(), *keys[sl].tolist()], pa.int64()),
+        "_lid": pa.concat_arrays([none(1, pa.string()), ids.take(pa.array(lidx[edge])).cast(pa.string()),
+                                  ids.take(pa.array(sl)).cast(pa.string())]),
+        "_sim": pa.array([None, *sims64[edge].tolist(), *ss.tolist()], pa.float64()),
+        "_saved": pa.concat_arrays([none(1 + n_e, pa.int64()), pa.array(counts, pa.int64())]),
     })
 
 
 def find_near_duplicates_clustered(df, *, key: str, vec: str, threshold: float, rows: int, s: ClusterSettings,
-                                   group: str | None = None) -> ClusteredNearDuplicates:
-    """(key, `_near_rep`, `_near_sim`) for every row with a smaller-key near duplicate of the same
-    `group` (all rows one group when None), and the clustering. Groups only mask pairs inside a
-    cluster: k-means runs on the vectors alone, so many small groups cost nothing extra. The
-    in-cluster output (pairs + one size row per cluster, small) is persisted: the found rows and
-    the cluster sizes both come from it, so the rows are assigned and shuffled once."""
+                                   group: str | None = None, guard: str | None = None) -> ClusteredNearDuplicates:
+    """The near-duplicate edges (smaller-key pairs at sim >= threshold of the same `group` and the
+    same `guard` key; all rows one group / one guard key when None), the guard-saved pairs per row,
+    and the clustering. Groups and guard keys only mask pairs inside a cluster: k-means runs on the
+    vectors alone, so they cost nothing extra. The in-cluster output (edges, saved rows and one size
+    row per cluster, small) is persisted: all three come from it, so the rows are assigned and
+    shuffled once."""
     from pyspark.sql import functions as F
 
     from spark_jobs.dedup_recall import group_column
 
     clustering = fit_clusters(df, key=key, vec=vec, rows=rows, s=s)
     index, probes, margin = clustering.index, s.probes, s.probe_margin
-    assigned = df.select(key, "id", group_column(group).alias("_group"), vec).mapInArrow(
-        lambda it: assign_batches(it, index, key, vec, probes, margin), ASSIGN_SCHEMA)
+    assigned = df.select(key, "id", group_column(group).alias("_group"), group_column(guard).alias("_guard"),
+                         vec).mapInArrow(lambda it: assign_batches(it, index, key, vec, probes, margin), ASSIGN_SCHEMA)
     out = assigned.groupBy("_cluster").applyInArrow(lambda t: pairs_in_cluster(t, threshold), PAIR_SCHEMA).persist()
     pairs = out.where(F.col("_key").isNotNull())
-    best = pairs.groupBy("_key").agg(F.min(F.struct("_lkey", "_lid", "_sim")).alias("_m"))
-    found = best.select(F.col("_key").alias(key), F.col("_m._lid").alias("_near_rep"), F.col("_m._sim").alias("_near_sim"))
+    edges = pairs.where(F.col("_saved").isNull()).select("_key", "_lkey", "_lid", "_sim")
+    saved = saved_per_row(pairs.where(F.col("_saved").isNotNull()).select("_key", "_saved", "_lkey", "_lid", "_sim"))
     sizes = out.where(F.col("_key").isNull()).select("_cluster", F.col("_members").alias("count"))
-    return ClusteredNearDuplicates(found, clustering, sizes, out)
+    return ClusteredNearDuplicates(edges, saved, clustering, sizes, out)
+
+
+def saved_per_row(saved):
+    """(_key, _saved, _lkey, _lid, _sim) rows, several per row possible -> one per row: the pairs
+    summed (each pair is reported once) and the most similar partner."""
+    from pyspark.sql import functions as F
+
+    return (saved.groupBy("_key").agg(F.sum("_saved").alias("_saved"),
+                                      F.min(F.struct((-F.col("_sim")).alias("_neg"), "_lkey", "_lid", "_sim")).alias("_m"))
+            .select("_key", "_saved", "_m._lkey", "_m._lid", "_m._sim"))
 
 
 @dataclass(frozen=True)
 class ClusteredNearDuplicates:
-    found: DataFrame  # key, _near_rep, _near_sim
+    edges: DataFrame  # _key, _lkey, _lid, _sim: near-duplicate pairs the guard agrees on (keep_first.py)
+    saved: DataFrame  # _key, _saved (pairs the guard kept apart), _lkey, _lid, _sim (the most similar one)
     clustering: Clustering
     sizes: DataFrame  # _cluster, count (rows that joined it)
-    cached: DataFrame  # persisted here: unpersist once `found` is materialised
+    cached: DataFrame  # persisted here: unpersist once the results are materialised

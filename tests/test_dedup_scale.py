@@ -62,6 +62,12 @@ def skewed_rows(n: int, seed: int, dim: int = 128) -> np.ndarray:
 
 def brute_force(v: np.ndarray, keys: np.ndarray, threshold: float, groups: np.ndarray | None = None) -> dict[int, int]:
     """key -> smallest key with similarity >= threshold among smaller keys (of the same group)."""
+    return {k: min(ls) for k, ls in brute_force_pairs(v, keys, threshold, groups).items()}
+
+
+def brute_force_pairs(v: np.ndarray, keys: np.ndarray, threshold: float,
+                      groups: np.ndarray | None = None) -> dict[int, set[int]]:
+    """key -> every smaller key with similarity >= threshold (of the same group)."""
     sims = (v.astype(np.float64) @ v.T.astype(np.float64)) / 2
     if groups is not None:
         sims[groups[:, None] != groups[None, :]] = -np.inf
@@ -71,14 +77,36 @@ def brute_force(v: np.ndarray, keys: np.ndarray, threshold: float, groups: np.nd
         earlier = order[:rank]
         hit = earlier[sims[j, earlier] >= threshold]
         if len(hit):
-            out[int(keys[j])] = int(keys[hit].min())
+            out[int(keys[j])] = {int(k) for k in keys[hit]}
     return out
+
+
+def keep_first_recall(found: dict[int, int], v: np.ndarray, keys: np.ndarray, threshold: float,
+                      groups: np.ndarray | None = None) -> float:
+    """Asserts what keep-first promises of a result (dropped key -> representative key): each
+    representative is a smaller-key near duplicate (same group) that is kept. Returns the recall as
+    the stage measures it: of the rows with a smaller-key near duplicate, the share dropped or whose
+    every such duplicate was dropped (a miss = a duplicate left in the output)."""
+    want = brute_force_pairs(v, keys, threshold, groups)
+    for k, rep in found.items():
+        assert rep in want.get(k, set()), (k, rep)  # a true smaller-key near duplicate of the same group
+        assert rep not in found, (k, rep)  # that is kept: no chains
+    handled = sum(1 for k, dups in want.items() if k in found or dups <= set(found))
+    return handled / len(want)
 
 
 def cluster_table(v: np.ndarray, keys: np.ndarray, groups: np.ndarray, cluster: int = 7) -> pa.Table:
     """One cluster's members as the in-cluster step receives them (applyInArrow)."""
     return pa.table({"_cluster": pa.array([cluster] * len(keys), pa.int32()), "_key": keys,
-                     "_id": [f"id{k}" for k in keys], "_group": groups, "_vec": vector_array(v)})
+                     "_id": [f"id{k}" for k in keys], "_group": groups, "_guard": np.zeros(len(keys), np.int64),
+                     "_joined": [[cluster, -1]] * len(keys), "_vec": vector_array(v)})
+
+
+def edges_of(pairs: pd.DataFrame) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = {}
+    for k, lk in zip(pairs["_key"], pairs["_lkey"], strict=True):
+        out.setdefault(int(k), set()).add(int(lk))
+    return out
 
 
 def pair_rows(t: pa.Table) -> pd.DataFrame:
@@ -92,9 +120,9 @@ def test_pairs_in_cluster_equals_brute_force():
     keys = np.random.default_rng(0).permutation(10_000)[:700].astype(np.int64)
     out = pairs_in_cluster(cluster_table(v, keys, np.zeros(700, np.int64)), 0.9)
     got = pair_rows(out)
-    want = brute_force(v, keys, 0.9)
+    want = brute_force_pairs(v, keys, 0.9)  # every edge (keep_first.py decides which rows go)
     assert len(want) > 30
-    assert dict(zip(got["_key"], got["_lkey"], strict=True)) == want
+    assert edges_of(got) == want
     assert (got["_lid"] == ["id" + str(k) for k in got["_lkey"]]).all()
     size = out.to_pandas().query("_key.isna()")
     assert size["_members"].tolist() == [700] and size["_cluster"].tolist() == [7]
@@ -102,15 +130,14 @@ def test_pairs_in_cluster_equals_brute_force():
 
 def test_pairs_in_cluster_pairs_only_rows_of_one_group():
     """The group (the filter's conversation-context key) masks pairs: twins in different groups are
-    both kept, and a row's representative is the smallest key of its own group."""
+    never an edge."""
     v = clustered_rows(700, 5, seed=3)
     keys = np.random.default_rng(0).permutation(10_000)[:700].astype(np.int64)
     groups = np.random.default_rng(1).integers(0, 3, 700).astype(np.int64)
     pairs = pair_rows(pairs_in_cluster(cluster_table(v, keys, groups), 0.9))
-    got = dict(zip(pairs["_key"], pairs["_lkey"], strict=True))
-    want = brute_force(v, keys, 0.9, groups)
-    assert len(want) > 5 and len(want) < len(brute_force(v, keys, 0.9))
-    assert got == want
+    want = brute_force_pairs(v, keys, 0.9, groups)
+    assert len(want) > 5 and len(want) < len(brute_force_pairs(v, keys, 0.9))
+    assert edges_of(pairs) == want
 
 
 def test_spherical_kmeans_is_deterministic_and_unit():
@@ -234,7 +261,6 @@ def test_cluster_method_matches_brute_force_and_reports_measured_recall(spark, t
 
     v = clustered_rows(3000, 12, seed=5)
     keys = np.random.default_rng(2).choice(1 << 30, size=3000, replace=False).astype(np.int64)
-    want = brute_force(v, keys, 0.9)
     settings = NearDupSettings(threshold=0.9, method="cluster", cluster=ClusterSettings(cluster_size=250),
                                recall_sample=400)
     results = []
@@ -245,8 +271,7 @@ def test_cluster_method_matches_brute_force_and_reports_measured_recall(spark, t
         got.frame.unpersist()
     assert results[0] == results[1]  # independent of the partitioning
     found = {k: int(rep[2:]) for k, rep in results[0].items()}
-    assert set(found) <= set(want) and all(found[k] == want[k] for k in found)  # never a false drop or wrong rep
-    assert len(found) / len(want) >= 0.95
+    assert keep_first_recall(found, v, keys, 0.9) >= 0.95  # never a false drop, a dropped or wrong rep
     r = got.report
     assert r.method == "cluster" and r.rows == 3000 and r.clusters == 12 and r.expected_recall_at_threshold is None
     assert r.measured is not None and r.measured.with_duplicate > 10
@@ -276,11 +301,11 @@ def test_skewed_input_biggest_cluster_is_split_and_keeps_its_recall(spark, tmp_p
     assert r.split_clusters >= 1 and r.clusters > math.ceil(n / c.cluster_size)
     assert r.largest_cluster <= c.max_cluster_factor * c.cluster_size and r.warnings == ()
     assert len(want) > 300 and set(found) <= set(want)
+    recall = keep_first_recall({k: rep for k, (rep, _) in found.items()}, v, keys, 0.9)
     by_key = dict(zip(keys.tolist(), range(n), strict=True))
     for k, (rep, sim) in found.items():  # the representative is a smaller-key near duplicate
         assert rep < k and sim >= 0.9
         assert float(v[by_key[k]].astype(np.float64) @ v[by_key[rep]].astype(np.float64)) / 2 >= 0.9
-    recall = len(found) / len(want)
     assert recall >= 0.95
     assert r.measured.with_duplicate == len(want) and r.measured.recall == round(recall, 4)
 
@@ -302,8 +327,7 @@ def test_stage_assigns_through_the_centroid_index_and_reports_its_agreement(spar
     found = {int(r["_key"]): int(r["_near_rep"][2:]) for r in got.frame.collect()}
     got.frame.unpersist()
     r = got.report
-    assert len(want) > 400 and set(found) <= set(want) and all(found[k] == want[k] for k in found)
-    assert len(found) / len(want) >= 0.95
+    assert len(want) > 400 and keep_first_recall(found, v, keys, 0.9) >= 0.95
     assert r.parameters["coarse_probes"] == 4 and r.clusters >= 120
     assert 0.7 <= r.assignment_agreement < 1.0  # approximate, and measured: exhaustive search would say 1.0
     assert r.as_manifest()["assignment_agreement"] == r.assignment_agreement
@@ -339,8 +363,7 @@ def test_both_methods_and_the_recall_check_respect_groups(spark, tmp_path, metho
     found = {int(r["_key"]): int(r["_near_rep"][2:]) for r in got.frame.collect()}
     got.frame.unpersist()
     assert len(want) > 20
-    assert set(found) <= set(want) and all(found[k] == want[k] for k in found)  # no cross-group drop
-    assert len(found) / len(want) >= 0.95
+    assert keep_first_recall(found, v, keys, 0.9, (keys % 3).astype(np.int64)) >= 0.95  # no cross-group drop
     assert got.report.measured.with_duplicate == len(want)  # the brute-force truth is per group too
 
 
