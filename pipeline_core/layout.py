@@ -27,7 +27,7 @@ TRAIN_EXECUTION_ONLY = frozenset({
     "attention_backend", "fast_kernels", "activation_checkpoint_interval", "max_failed_pushes",
     "max_pending_pushes", "push_backoff_s", "lease_ttl_s", "resume_across_changes",
     "compile_layers", "sync_free_attention", "causal_rows_sdpa", "fused_grad_accumulation", "pin_memory",
-    "async_checkpoint",
+    "async_checkpoint", "recompute", "recompute_every",
 })
 
 

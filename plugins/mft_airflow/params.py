@@ -54,7 +54,7 @@ OVERRIDABLE: frozenset[str] = frozenset({
     *(f"train.{f}" for f in ("pipeline_stages", "partition_method", "seq_len", "micro_batch_size",
                              "gradient_accumulation_steps", "global_batch_size", "steps", "learning_rate",
                              "warmup_steps", "checkpoint_every", "keep_last", "seed", "precision",
-                             "activation_checkpoint_interval", "eval_batches")),
+                             "activation_checkpoint_interval", "recompute", "recompute_every", "eval_batches")),
 })
 
 
