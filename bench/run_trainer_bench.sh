@@ -141,17 +141,19 @@ for phase in ${*:-main checks extra}; do
       common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
       ;;
     longctx)
-      echo "=== window parity ($(date +%T))"
-      timeout -k 10 240 $PY bench/gpu_checks.py kernels --only check_window_parity --out "$BENCH_OUT/window_check" 2>&1 \
-        | grep -E "PASS|FAIL|Error" | head -12
+      if [ "${LC_PARITY:-1}" = 1 ]; then
+        echo "=== window parity ($(date +%T))"
+        timeout -k 10 240 $PY bench/gpu_checks.py kernels --only check_window_parity --out "$BENCH_OUT/window_check" 2>&1 \
+          | grep -E "PASS|FAIL|Error" | head -12
+      fi
       LC=("${TRAINER[@]}" --sliding-window none)
       common "$LAYERS" 1 "${LC_GA:-4}" "${LC_STEPS:-3}" 1 "${LC_SEQ:-16384}"
       for m in ${LC_MODES:-auto none full every_n mlp attention}; do
-        row "lc${LC_SEQ:-16384}_$m" 300 $TR "${LC[@]}" --recompute "$m" --recompute-every "${LC_EVERY:-2}"
+        row "lc${LC_SEQ:-16384}_$m" 200 $TR "${LC[@]}" --recompute "$m" --recompute-every "${LC_EVERY:-2}"
       done
       common "$LAYERS" 1 "${LC_GA_LONG:-2}" "${LC_STEPS:-3}" 1 "${LC_SEQ_LONG:-32768}"
       for m in ${LC_LONG_MODES:-auto none}; do
-        row "lc${LC_SEQ_LONG:-32768}_$m" 300 $TR "${LC[@]}" --recompute "$m" --recompute-every "${LC_EVERY:-2}"
+        row "lc${LC_SEQ_LONG:-32768}_$m" 200 $TR "${LC[@]}" --recompute "$m" --recompute-every "${LC_EVERY:-2}"
       done
       common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
       ;;
