@@ -318,7 +318,8 @@ def check_wgrad_fusion(tokens: int = 8192, d_in: int = 4096, d_out: int = 14336)
 
 def check_window_parity(seq: int = 8192, window: int = 4096, limit: float = 1e-2, device: str = "cuda") -> bool:
     """Issue 29: bf16 logits of the pipeline layers at seq 8192 vs transformers' MistralForCausalLM
-    in bf16 on the same weights (sdpa, its own sliding-window mask; float32 recorded beside), for a model with a 4096 window and one without,
+    in float32 (sdpa, its own sliding-window mask; transformers' own bf16 error recorded beside: on an
+    H200 it is larger than the pipeline's), for a model with a 4096 window and one without,
     on the GPU backends: torch_varlen on whole rows (the SDPA path without a window, the varlen
     kernel's left window with one), torch_varlen on a packed row, and flex. |diff| / |ref| (norms)."""
     import copy
@@ -350,7 +351,7 @@ def check_window_parity(seq: int = 8192, window: int = 4096, limit: float = 1e-2
             hf.save_pretrained(d)
             rows_of = (("whole", whole), ("packed", packed))
             refs = {name: hf(input_ids=ids, position_ids=pos, use_cache=False).logits for name, pos in rows_of}
-            hf.bfloat16()  # transformers in bf16 on the same (rounded) weights: the implementation-only reference
+            hf.bfloat16()  # transformers' own bf16 error: the floor a bf16 path reaches
             refs16 = {name: hf(input_ids=ids, position_ids=pos, use_cache=False).logits for name, pos in rows_of}
             for backend, rows in runs:
                 cfg = prepare_hf_config(base, backend, seq)
@@ -364,10 +365,10 @@ def check_window_parity(seq: int = 8192, window: int = 4096, limit: float = 1e-2
                 # the norm-relative error is the check (bf16 logits round at ~|logit| * 2^-9);
                 # the max |diff| and the largest |logit| are recorded beside it
                 RESULTS["checks"][name + "_max_abs_vs_fp32"] = float((x.float() - refs[rows]).abs().max())
-                RESULTS["checks"][name + "_rel_vs_fp32"] = rel_err(x, refs[rows])
+                RESULTS["checks"][name + "_rel_vs_hf_bf16"] = rel_err(x, refs16[rows])
                 RESULTS["checks"][name + "_hf_bf16_rel_vs_fp32"] = rel_err(refs16[rows], refs[rows])
                 RESULTS["checks"][name + "_max_logit"] = float(refs[rows].abs().max())
-                ok &= check(name, rel_err(x, refs16[rows]), limit)
+                ok &= check(name, rel_err(x, refs[rows]), limit)
                 del layers
             if w is not None:  # how far the window moves the logits (what parity must resolve)
                 hf.config.sliding_window = None  # hf holds its own copy of the config
