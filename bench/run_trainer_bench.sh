@@ -148,11 +148,11 @@ for phase in ${*:-main checks extra}; do
       fi
       LC=("${TRAINER[@]}" --sliding-window none)
       common "$LAYERS" 1 "${LC_GA:-4}" "${LC_STEPS:-3}" 1 "${LC_SEQ:-16384}"
-      for m in ${LC_MODES:-auto none full every_n mlp attention}; do
+      for m in ${LC_MODES-auto none full every_n mlp attention}; do
         row "lc${LC_SEQ:-16384}_$m" 200 $TR "${LC[@]}" --recompute "$m" --recompute-every "${LC_EVERY:-2}"
       done
       common "$LAYERS" 1 "${LC_GA_LONG:-2}" "${LC_STEPS:-3}" 1 "${LC_SEQ_LONG:-32768}"
-      for m in ${LC_LONG_MODES:-auto none}; do
+      for m in ${LC_LONG_MODES-auto none}; do
         row "lc${LC_SEQ_LONG:-32768}_$m" 200 $TR "${LC[@]}" --recompute "$m" --recompute-every "${LC_EVERY:-2}"
       done
       common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
