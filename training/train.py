@@ -215,8 +215,8 @@ def plan_recompute(t, hf_config, dp: int, settings: Settings, device_bytes: int 
     mode, every = t.recompute, t.recompute_every
     if mode == "auto" and (device_bytes is None or t.activation_checkpoint_interval):
         mode = "none"  # CPU, or DeepSpeed's own interval checkpointing chosen by hand
-    if device_bytes is None:
-        return mode, every, None
+    if device_bytes is None or t.activation_checkpoint_interval:
+        return mode, every, None  # no estimate for DeepSpeed's checkpointing: not checked
     if mode == "auto":
         chosen = choose_recompute(shape, ts, device_bytes)
         if chosen is None:
@@ -237,7 +237,7 @@ def plan_recompute(t, hf_config, dp: int, settings: Settings, device_bytes: int 
 def _does_not_fit(worst: StageMemory, device_bytes: int, what: str, longest: int) -> str:
     return (f"estimated GPU memory does not fit: {what}: {worst.describe()} > "
             f"{USABLE_FRACTION:.0%} of {device_bytes / GIB:.0f} GiB. Lower train.micro_batch_size or train.seq_len "
-            f"(with full recomputation this stage fits up to ~{longest} tokens per micro-batch), set "
+            f"(with full recomputation this stage fits train.seq_len up to ~{longest} at this micro-batch size), set "
             "train.recompute to full (or auto), or raise train.pipeline_stages to spread the layers")
 
 
