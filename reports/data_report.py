@@ -169,7 +169,7 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
         near_duplicates=pairs[:NEAR_DUP_SAMPLE], near_duplicate_scores=scores, doc_lengths=lengths,
         doc_lengths_sampled_rows=sampled,
         packing_by_split={s: v.get("packing_efficiency") for s, v in splits.items()},
-        example=example, example_split=example_split,
+        example=example, example_split=example_split, length_fit=tr.extra.get("length_fit") or {},
     )
 
 

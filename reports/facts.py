@@ -77,6 +77,7 @@ class ReportFacts:
     packing_by_split: dict[str, float | None]
     example: list[Span] = field(default_factory=list)
     example_split: str | None = None
+    length_fit: dict[str, Any] = field(default_factory=dict)  # the manifest's length_fit (issue 29)
 
     def to_extra(self) -> dict[str, Any]:
         return {"headline": asdict(self.headline), "dataset_version": self.dataset_version,
