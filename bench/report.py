@@ -26,7 +26,11 @@ def settings_of(r: dict) -> str:
         s = (f"{a['stages']} stages, mb {a['micro_batch']} × m {a['grad_accum']}, attn {a['attention']}, "
              f"kernels {a['kernels']}, ckpt {a['act_ckpt']}, {a['docs']} docs")
         if r["setup"] == "trainer":
-            s += f", {a.get('grad_accum_dtype', 'fp32')} accum"
+            s += f", {a.get('grad_accum_dtype', 'fp32')} accum, seq {a['seq_len']}, window {a['sliding_window']}"
+            res = r.get("settings", {}).get("extra", {}).get("resolved", {})
+            if res.get("recompute"):
+                every = f" {res['recompute_every']}" if res["recompute"] == "every_n" else ""
+                s += f", recompute {a.get('recompute')}→{res['recompute']}{every} (est. {res.get('estimated_stage_gib')} GiB)"
     else:
         s = (f"mb {a['micro_batch']}{' × ' + str(a['grad_accum']) if a['grad_accum'] > 1 else ''}, "
              f"{a['hf_attention']}, window {a['sliding_window']}, ckpt {a['act_ckpt']}"

@@ -27,6 +27,10 @@
 # trainer_mb4 / baselines: fp8speed's last row / main's two HF rows, alone
 # packedfp8: packed rows, 4 layers: bf16 vs fp8 tensorwise + compile_layers (dynamic document counts)
 # mb4:    micro-batch 4 x 8 (same tokens per step): the trainer and the two HF loops
+# longctx: issue 29, window-free model (Mistral v0.2/v0.3 shape: full attention credit is honest),
+#         mb 1: seq LC_SEQ (16384) x LC_GA (4) with train.recompute auto / none / full / every_n 2 /
+#         mlp / attention (LC_MODES), then seq LC_SEQ_LONG (32768) x LC_GA_LONG (2) with auto / none
+#         (LC_LONG_MODES; OOM recorded); the bf16 logits parity at 8192 with a 4096 window first
 # Results: $BENCH_OUT/row_*.json + logs, the table printed last (bench/report.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,8 +42,9 @@ WARMUP=${WARMUP:-2}
 
 T=bench/train_throughput.py
 TR="$PY -m torch.distributed.run --standalone --nproc_per_node 1"
-common() {  # common LAYERS MICRO_BATCH GRAD_ACCUM STEPS WARMUP: the settings every row of a phase shares
-  COMMON=(--model 7b --layers "$1" --seq-len 4096 --micro-batch "$2" --grad-accum "$3" --steps "$4" --warmup "$5")
+common() {  # common LAYERS MICRO_BATCH GRAD_ACCUM STEPS WARMUP [SEQ]: the settings every row of a phase shares
+  COMMON=(--model "${MODEL:-7b}" --layers "$1" --seq-len "${6:-4096}" --micro-batch "$2" --grad-accum "$3"
+          --steps "$4" --warmup "$5")
 }
 common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
 HF=(--setup hf_single --hf-liger --sliding-window none --act-ckpt 0 --docs causal)
@@ -133,6 +138,23 @@ for phase in ${*:-main checks extra}; do
       row trainer_mb4 200 $TR "${TRAINER[@]}"
       row hf_bf16_mb4 150 $PY $T "${HF[@]}" --master bf16
       row hf_fp32_master_mb4 150 $PY $T "${HF[@]}" --master fp32
+      common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
+      ;;
+    longctx)
+      if [ "${LC_PARITY:-1}" = 1 ]; then
+        echo "=== window parity ($(date +%T))"
+        timeout -k 10 240 $PY bench/gpu_checks.py kernels --only check_window_parity --out "$BENCH_OUT/window_check" 2>&1 \
+          | grep -E "PASS|FAIL|Error" | head -12
+      fi
+      LC=("${TRAINER[@]}" --sliding-window none)
+      common "$LAYERS" 1 "${LC_GA:-4}" "${LC_STEPS:-3}" 1 "${LC_SEQ:-16384}"
+      for m in ${LC_MODES-auto none full every_n mlp attention}; do
+        row "lc${LC_SEQ:-16384}_$m" 200 $TR "${LC[@]}" --recompute "$m" --recompute-every "${LC_EVERY:-2}"
+      done
+      common "$LAYERS" 1 "${LC_GA_LONG:-2}" "${LC_STEPS:-3}" 1 "${LC_SEQ_LONG:-32768}"
+      for m in ${LC_LONG_MODES-auto none}; do
+        row "lc${LC_SEQ_LONG:-32768}_$m" 200 $TR "${LC[@]}" --recompute "$m" --recompute-every "${LC_EVERY:-2}"
+      done
       common "$LAYERS" 2 16 "$STEPS" "$WARMUP"
       ;;
     checks)

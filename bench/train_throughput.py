@@ -490,7 +490,8 @@ def setup_trainer(args, device: Device):
     base = mistral_config(args.model, args.seq_len, sliding_window=args.sliding_window, layers=args.layers)
     if args.data and args.model == "tiny":  # the CPU dry run of a real-text row: the tokenizer's vocabulary
         base.vocab_size = json.loads((Path(args.data) / "train_ready.json").read_text())["info"]["tokenizer"]["vocab_size"]
-    model_dir = work / f"model-{args.model}-{base.num_hidden_layers}L-{base.vocab_size}"
+    # the window is part of the saved config.json: rows with and without it never share a model
+    model_dir = work / f"model-{args.model}-{base.num_hidden_layers}L-{base.vocab_size}-w{base.sliding_window}"
     world = torch.distributed.get_world_size()
     dp = world // args.stages
     rows = args.micro_batch * args.grad_accum * dp * 4  # the loader cycles over 4 steps' worth
@@ -519,6 +520,7 @@ def setup_trainer(args, device: Device):
         "train.async_checkpoint": bool(args.async_checkpoint) and args.checkpoint,
         "train.causal_rows_sdpa": bool(args.causal_rows_sdpa), "train.fused_grad_accumulation": bool(args.fused_accum),
         "train.fused_wgrad_accumulation": bool(args.fused_wgrad), "train.fp8": args.fp8,
+        "train.recompute": args.recompute, "train.recompute_every": args.recompute_every,
     })
     plan = train.make_plan(cfg, input_uri, uris.join(cfg.pipeline.store_uri, "runs", f"bench-{args.label or 'run'}"),  # one run per row: rows never share checkpoints
                            world, device.cuda)
@@ -595,6 +597,8 @@ def setup_trainer(args, device: Device):
         "params_on_stage": sum(p.numel() for p in engine.module.parameters()),
         "resolved": {"precision": plan.settings.precision, "attention": plan.settings.attention_backend,
                      "kernels": plan.settings.fast_kernels, "optimizer": type(engine.optimizer).__name__,
+                     "recompute": plan.recompute, "recompute_every": plan.recompute_every,
+                     "estimated_stage_gib": round(plan.memory.total / 2**30, 2) if plan.memory else None,
                      **dataclasses.asdict(trainer.fast_paths)},
     }
     return step, tokens_per_step, plan.hf_config, {**plan.ds_config, "extra": extra}, timer
@@ -644,6 +648,9 @@ def parse_args(argv=None):
     p.add_argument("--attention", default="torch_varlen", help="pipeline attention backend")
     p.add_argument("--kernels", choices=("auto", "none", "liger"), default="none")
     p.add_argument("--act-ckpt", type=int, default=0, help="pipeline: checkpoint interval; HF: 0/1")
+    p.add_argument("--recompute", default="none", choices=("auto", "none", "full", "attention", "mlp", "every_n"),
+                   help="trainer: train.recompute (auto: training/memory.py's rule)")
+    p.add_argument("--recompute-every", type=int, default=2, help="trainer: train.recompute_every")
     p.add_argument("--hf-attention", default="sdpa")
     p.add_argument("--hf-position-ids", action="store_true", help="HF baselines: pass packed position_ids")
     p.add_argument("--sliding-window", choices=("default", "none"), default="default",

@@ -297,8 +297,11 @@ class FilterSection(SparkStageSection):
     val_fraction: float = content(0.05, ge=0.0, lt=1.0, description="Share of prompts (all their answers) in the validation split", trigger=True)
     seq_len: int = content(1024, ge=32, le=131_072, description="Tokens per packed row; must equal train.seq_len", trigger=True)
     tokenizer: str = content("mistral-v1", description="'mistral-v1', 'mistral-v3', or an HF tokenizer path/id")
-    overflow: Literal["truncate", "reject"] = content(
-        "reject", description="A record longer than seq_len: reject it, or cut its answer's tail (counted)", trigger=True
+    overflow: Literal["reject", "drop_earlier_reasoning", "truncate"] = content(
+        "reject", description="A record longer than seq_len: reject it (too long rows are counted per split); "
+        "drop_earlier_reasoning: render it again without the reasoning traces of turns before the final answer "
+        "(the visible conversation and the trained answer are kept whole), reject it if still too long; "
+        "truncate: cut its answer's tail (counted)", trigger=True
     )
     train_on_reasoning: bool = content(
         False, description="Train the final answer's <think> trace (and mark the mode in the system prompt); else the visible answer", trigger=True
@@ -400,7 +403,16 @@ class TrainSection(Section):
     max_bad_steps: int = execution(3, ge=1, description="Stop after this many non-finite steps in a row (each is skipped)")
     io_timeout_s: int = execution(3600, ge=60, description="Timeout of the CPU side group the ranks wait on while rank 0 "
                               "fetches the dataset, base weights and checkpoint (NCCL keeps its own short timeout)")
-    activation_checkpoint_interval: int = execution(0, ge=0, description="Decoder layers per checkpointed block; 0 = off", trigger=True)
+    activation_checkpoint_interval: int = execution(
+        0, ge=0, description="DeepSpeed's own checkpointing: decoder layers per checkpointed block; 0 = off "
+        "(prefer train.recompute; the two are not combined)", trigger=True)
+    recompute: Literal["auto", "none", "full", "attention", "mlp", "every_n"] = execution(
+        "auto", description="Activation recomputation inside each decoder layer (non-reentrant checkpointing): none; "
+        "full (keep only the layer input); attention (recompute norm + attention block); mlp (recompute norm + "
+        "SwiGLU MLP); every_n (full on every recompute_every-th layer); auto: the cheapest of these whose "
+        "estimated stage memory fits the GPU (training/memory.py, docs/training.md), none on CPU", trigger=True)
+    recompute_every: int = execution(2, ge=1, le=1024, description="train.recompute=every_n: every n-th decoder layer "
+                                 "is recomputed whole (1 = full)", trigger=True)
     compile_layers: bool = execution(
         False, description="GPU: torch.compile each decoder layer (regional compilation, one graph shared by all "
         "layers, as torchtitan does); Inductor then fuses RMSNorm/SwiGLU/RoPE itself, so Liger keeps only the "
@@ -475,6 +487,14 @@ class TrainSection(Section):
     @classmethod
     def _ds_config(cls, v: str | None) -> str | None:
         return None if v is None else uris.qualify(v)
+
+    @model_validator(mode="after")
+    def _one_recompute(self) -> TrainSection:
+        if self.activation_checkpoint_interval and self.recompute not in ("auto", "none"):
+            raise ValueError(f"train.activation_checkpoint_interval={self.activation_checkpoint_interval} and "
+                             f"train.recompute={self.recompute!r} both checkpoint the decoder layers; set "
+                             "activation_checkpoint_interval to 0 (or recompute to none)")
+        return self
 
     @model_validator(mode="after")
     def _fused_loss_has_no_logits(self) -> TrainSection:

@@ -177,6 +177,7 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
         decontamination=info.decontamination if info else None,
         near_dup_guard=(tr.extra.get("near_duplicates") or {}).get("guard"),
         guard_by_split=guard_by_split(tr.extra.get("near_duplicates"), pairs, near_split, question_of, GUARD_EXAMPLES),
+        length_fit=tr.extra.get("length_fit") or {},
     )
 
 

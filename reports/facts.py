@@ -91,6 +91,7 @@ class ReportFacts:
     decontamination: DecontamInfo | None = None  # the eval sets the filter matched against, rows removed per set
     near_dup_guard: str | None = None  # the filter's near_dup_guard; None: manifest from before issue 27
     guard_by_split: list[GuardSplit] = field(default_factory=list)
+    length_fit: dict[str, Any] = field(default_factory=dict)  # the manifest's length_fit (issue 29)
 
     def to_extra(self) -> dict[str, Any]:
         return {"headline": asdict(self.headline), "dataset_version": self.dataset_version,

@@ -88,6 +88,9 @@ class ConversationOptions:
     train_on_reasoning: bool = False
     marker_on: str = "/think"
     marker_off: str = "/no_think"
+    # with train_on_reasoning: earlier assistant turns keep their traces too (filter.overflow
+    # drop_earlier_reasoning renders so first and drops them only from a row that would not fit)
+    earlier_reasoning: bool = False
 
 
 def _json_or_text(s: str) -> Any:
@@ -152,7 +155,7 @@ def build_conversation(messages: Sequence[Mapping[str, Any]], metadata: str | No
             pending = []
         elif role == "assistant":
             visible, trace = split_reasoning(content)
-            if i == last and opts.train_on_reasoning and trace:
+            if opts.train_on_reasoning and trace and (i == last or opts.earlier_reasoning):
                 visible = f"{THINK_OPEN}{trace}{THINK_CLOSE}{visible}"
             calls = tuple(
                 ToolCall(c.get("id"), c["function"]["name"], _arguments(c["function"].get("arguments")))

@@ -13,6 +13,7 @@ serving does not have), in their original order and verbatim (code blocks, JSON,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -22,13 +23,14 @@ import pandas as pd
 from pipeline_core.config import FilterSection
 from pipeline_core.render_sample import chat_json
 from spark_jobs.chat_format import ChatTokenizer, load_tokenizer
-from spark_jobs.conversation import RenderError, build_conversation
+from spark_jobs.conversation import ConversationOptions, RenderError, build_conversation
 from spark_jobs.filter_rows import conversation_options
 from spark_jobs.packing import LengthLimits, make_document
 
 DOC_SCHEMA = (
     "id string, key long, split string, input_ids array<int>, labels array<int>, n_prompt int, n_answer int, "
-    "truncated boolean, reason string, raw string, chat string"
+    "truncated boolean, reason string, raw string, chat string, category string, n_tokens int, n_tokens_visible int, "
+    "reasoning_dropped boolean"
 )
 RENDER_COLUMNS = ("id", "category", "key", "split", "reason", "raw", "messages_json", "metadata", "reasoning",
                   "context_sentences", "context_turns", "context_question_scores")
@@ -58,20 +60,46 @@ def _raw(rec, detail: str) -> str:
                       ensure_ascii=False)
 
 
+def render_lengths(messages, rec, opts: ConversationOptions, tok: ChatTokenizer, fcfg: FilterSection):
+    """The record rendered under ``filter.overflow`` -> (the conversation rendered, rendered, tokens as first rendered, tokens of
+    the visible conversation alone, whether earlier turns' reasoning was dropped to fit seq_len).
+    drop_earlier_reasoning first keeps every assistant turn's trace and, only when that is longer
+    than seq_len, renders again with the final answer's alone: the visible conversation and the
+    trained answer are never cut (make_document still rejects what does not fit)."""
+    keep_earlier = fcfg.overflow == "drop_earlier_reasoning" and opts.train_on_reasoning
+    first = dataclasses.replace(opts, earlier_reasoning=True) if keep_earlier else opts
+    conv = build_conversation(messages, rec.metadata, rec.reasoning, first)
+    rendered = tok.render(conv, fcfg.train_on)
+    n_tokens = len(rendered.input_ids)
+    dropped = False
+    if keep_earlier and n_tokens > fcfg.seq_len:
+        conv = build_conversation(messages, rec.metadata, rec.reasoning, opts)
+        shorter = tok.render(conv, fcfg.train_on)
+        dropped = len(shorter.input_ids) < n_tokens
+        rendered = shorter
+    visible = n_tokens
+    if opts.train_on_reasoning:  # the fit without any reasoning (the data report's second count)
+        bare = dataclasses.replace(opts, train_on_reasoning=False, earlier_reasoning=False)
+        visible = len(tok.render(build_conversation(messages, rec.metadata, rec.reasoning, bare), fcfg.train_on).input_ids)
+    return conv, rendered, n_tokens, visible, dropped
+
+
 def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
                       sample_below: int | None = None) -> Iterator[pd.DataFrame]:
     """`chat` (`render_sample.chat_json` of the template messages) is kept for the documents whose key
     is below `sample_below` (`render_sample.key_threshold`; None: none), the render sample's candidates."""
     tok = load_tokenizer(fcfg.tokenizer)
     opts = conversation_options(fcfg)
-    limits = LengthLimits(fcfg.seq_len, fcfg.max_tokens, fcfg.min_answer_tokens, fcfg.overflow)
+    # drop_earlier_reasoning has already made the row as short as it may get: the rest is a reject
+    overflow = "reject" if fcfg.overflow == "drop_earlier_reasoning" else fcfg.overflow
+    limits = LengthLimits(fcfg.seq_len, fcfg.max_tokens, fcfg.min_answer_tokens, overflow)
     relevant = fcfg.prompt_context == "relevant"
     cols = [c for c in DOC_SCHEMA.split(", ")]
     names = [c.split(" ")[0] for c in cols]
     for pdf in batches:
         out: dict[str, list[Any]] = {k: [] for k in names}
         for rec in pdf.itertuples(index=False):
-            reason, raw, doc, chat = rec.reason, rec.raw, None, None
+            reason, raw, doc, chat, lengths = rec.reason, rec.raw, None, None, (None, None, None)
             if reason is None:
                 try:
                     messages = json.loads(rec.messages_json)
@@ -79,8 +107,7 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
                         messages = reduce_context(messages, rec.context_sentences, rec.context_turns,
                                                   rec.context_question_scores, tok, fcfg.relevant_context_tokens,
                                                   fcfg.relevant_top_k)
-                    conv = build_conversation(messages, rec.metadata, rec.reasoning, opts)
-                    rendered = tok.render(conv, fcfg.train_on)
+                    conv, rendered, *lengths = render_lengths(messages, rec, opts, tok, fcfg)
                     got = make_document(rendered.input_ids, rendered.targets, limits, tok.eos_id)
                     if sample_below is not None and int(rec.key) < sample_below:
                         chat = chat_json(*tok.template_messages(conv))
@@ -101,4 +128,8 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
             out["reason"].append(reason)
             out["raw"].append(raw)
             out["chat"].append(chat if doc else None)
+            out["category"].append(rec.category)
+            out["n_tokens"].append(lengths[0])
+            out["n_tokens_visible"].append(lengths[1])
+            out["reasoning_dropped"].append(lengths[2])
         yield pd.DataFrame(out)

@@ -170,6 +170,27 @@ def _compute(ctx: StageContext, input_uri: str, in_manifest: Manifest, cfg: Conf
         clean_staging(uris.to_local_path(docs_uri))
 
 
+def _length_fit(docs, fcfg) -> dict[str, Any]:
+    """Per source split (the record's category), of the conversations rendered: how many fit
+    filter.seq_len as rendered (with reasoning when train_on_reasoning) and with the visible
+    conversation alone, and how many had earlier turns' reasoning dropped to fit (issue 29)."""
+    from pyspark.sql import functions as F
+
+    n = F.col("n_tokens")
+    rows = (docs.filter(n.isNotNull()).groupBy("category")
+            .agg(F.count(F.lit(1)).alias("rendered"),
+                 F.sum((n <= fcfg.seq_len).cast("int")).alias("fit"),
+                 F.sum((F.col("n_tokens_visible") <= fcfg.seq_len).cast("int")).alias("fit_without_reasoning"),
+                 F.sum(F.col("reasoning_dropped").cast("int")).alias("reasoning_dropped"),
+                 F.sum(F.col("reason").isNull().cast("int")).alias("kept"))
+            .collect())
+    per_split = {str(r["category"] or "unknown"): {k: int(r[k] or 0) for k in
+                                                   ("rendered", "fit", "fit_without_reasoning", "reasoning_dropped", "kept")}
+                 for r in sorted(rows, key=lambda r: str(r["category"]))}
+    return {"seq_len": fcfg.seq_len, "overflow": fcfg.overflow, "with_reasoning": fcfg.train_on_reasoning,
+            "splits": per_split}
+
+
 def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config, tok,
                        decon: DecontamInfo | None = None) -> tuple[dict, dict]:
     from pyspark.sql import functions as F
@@ -194,6 +215,7 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
             write_parquet(rejects, uris.qualify(staging / "rejects"))
         info["rows"] = n_rej
 
+    length_fit = _length_fit(docs, fcfg)
     splits: dict[str, dict[str, Any]] = {}
     seq_len, pad_id, buffer_docs = fcfg.seq_len, tok.pad_id, fcfg.pack_buffer_docs  # plain values for the closure
     for split in SPLITS:
@@ -248,6 +270,7 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
         },
         "splits": splits,
         "truncated": sum(s["truncated"] for s in splits.values()),
+        "length_fit": length_fit,
         "split_rule": f"{SPLIT_RULE} (seed={fcfg.seed}, val_fraction={fcfg.val_fraction}, "
                       f"val_max_documents={fcfg.val_max_documents})",
     }

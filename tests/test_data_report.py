@@ -48,6 +48,12 @@ def test_report_artifact_has_its_pictures_and_numbers(sample):
     assert h["rejected"] == rejected
     assert {i["uri"] for i in m.inputs} == {art.train_ready_uri, art.enriched_uri}
     assert build(art.train_ready_uri).sha256 == m.sha256  # committed: a rerun is a no-op
+    # issue 29: the per-split fit at the configured seq_len, as the manifest counts it
+    page = (root / m.object_path(PAGE)).read_text()
+    fit = tr.extra["length_fit"]
+    assert fit["splits"] and f"= {fit['seq_len']} per source split" in page
+    for name, v in fit["splits"].items():
+        assert f'data-metric="fit-{name}">{v["fit"]}</td>' in page
 
 
 def test_page_renders_in_chromium_and_matches_the_manifests(sample, tmp_path):

@@ -178,6 +178,14 @@ def test_manifest_is_a_train_ready_info_with_tokens_and_efficiency(filtered):
     assert info.packing_efficiency == round(non_pad / slots, 4)
     assert info.packing_efficiency > 0.7
     assert sum(info.documents.values()) == m.counts["out"]
+    # issue 29: per source split, the rendered conversations that fit seq_len (with / without reasoning)
+    fit = extra["length_fit"]
+    assert fit["seq_len"] == 128 and fit["overflow"] == "reject"
+    splits = fit["splits"]
+    assert splits and all(0 <= v["fit"] <= v["fit_without_reasoning"] <= v["rendered"] for v in splits.values())
+    assert sum(v["kept"] for v in splits.values()) == m.counts["out"]
+    too_long = m.counts["rejected"].get("exceeds_seq_len", 0) + m.counts["rejected"].get("too_long", 0)
+    assert sum(v["rendered"] - v["fit"] for v in splits.values()) <= too_long
 
 
 def test_render_sample_is_packed_documents_with_their_conversations(filtered, tmp_path):

@@ -199,6 +199,11 @@ def test_render_partitions_trains_on_the_reasoning_trace_only_when_configured():
 def test_render_partitions_keeps_the_conversation_of_sample_candidates_only():
     """`chat` (the template messages of the render sample) for kept rows with a key under the threshold;
     the threshold admits ~8x the wanted sample, or every key when that is most of the rows."""
+def test_overflow_drop_earlier_reasoning_keeps_the_answer_whole_and_counts_the_fit():
+    """filter.overflow=drop_earlier_reasoning (issue 29): earlier turns keep their traces when the row
+    fits; a row too long with them is rendered again without them (counted), its final answer's trace
+    and the visible conversation unchanged; still too long: rejected, never cut. reject (default)
+    renders as before. n_tokens / n_tokens_visible feed the manifest's per-split fit counts."""
     import json
 
     import pandas as pd
@@ -230,3 +235,37 @@ def test_render_partitions_keeps_the_conversation_of_sample_candidates_only():
     assert f'"call_id": "{cid}"' in tok.decode(out["input_ids"][0])
     assert key_threshold(10, 80) == key_threshold(10, 0) == 2 ** 63
     assert key_threshold(10, 8000) == -(2 ** 63) + 2 ** 64 // 100
+    from spark_jobs.render_docs import render_partitions
+
+    tok = load_tokenizer("mistral-v1")
+    long_trace = " ".join(["step"] * 60)
+    msgs = [{"role": "user", "content": "First?"},
+            {"role": "assistant", "content": f"<think>{long_trace}</think>One."},
+            {"role": "user", "content": "Second?"},
+            {"role": "assistant", "content": "<think>Short.</think>Two."}]
+    pdf = pd.DataFrame({"id": ["a"], "category": ["math"], "key": [1], "split": ["train"], "reason": [None],
+                        "raw": [None], "messages_json": [json.dumps(msgs)], "metadata": [None], "reasoning": ["on"],
+                        "context_sentences": [None], "context_turns": [None], "context_question_scores": [None]})
+
+    def render(**kw):
+        (out,) = render_partitions(iter([pdf]), FilterSection(train_on_reasoning=True, **kw))
+        return out.to_dict("records")[0]
+
+    big = render(seq_len=512, max_tokens=512, overflow="drop_earlier_reasoning")
+    assert big["reason"] is None and not big["reasoning_dropped"]
+    assert long_trace in tok.decode(big["input_ids"])  # fits: the earlier trace stays
+    base = render(seq_len=512, max_tokens=512)  # overflow=reject: earlier traces dropped, as before
+    assert long_trace not in tok.decode(base["input_ids"]) and base["n_tokens"] < big["n_tokens"]
+    assert base["n_tokens_visible"] < base["n_tokens"]  # the final answer's trace counts
+
+    limit = base["n_tokens"] + 4  # too long with the earlier trace, fits without it
+    dropped = render(seq_len=limit, max_tokens=limit, overflow="drop_earlier_reasoning")
+    assert dropped["reason"] is None and dropped["reasoning_dropped"] and not dropped["truncated"]
+    assert list(dropped["input_ids"]) == list(base["input_ids"]) and list(dropped["labels"]) == list(base["labels"])
+    assert dropped["n_tokens"] == big["n_tokens"] and dropped["category"] == "math"
+    text = tok.decode(dropped["input_ids"])
+    assert "One." in text and "<think>\nShort.\n</think>\n\nTwo." in text
+
+    tight = base["n_tokens"] - 1  # too long even without: a reject, not a cut answer
+    rejected = render(seq_len=tight, max_tokens=tight + 100, overflow="drop_earlier_reasoning")
+    assert rejected["reason"] == "exceeds_seq_len" and rejected["input_ids"] is None

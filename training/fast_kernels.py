@@ -42,6 +42,14 @@ def _varlen_api():
     return _VARLEN_API
 
 
+def varlen_supports_window() -> bool:
+    """True when the installed ``varlen_attn`` takes a (left, right) ``window_size`` (torch 2.10+)."""
+    try:
+        return "window_size" in _varlen_api()[1]
+    except ImportError:
+        return False
+
+
 def varlen_causal_attention(q, k, v, cu_seqlens, max_len: int, scale: float | None, window: int | None = None):
     """Causal attention inside each [cu[i], cu[i+1]) segment of flattened q/k/v ([T, H, D]).
 

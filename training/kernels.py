@@ -17,6 +17,34 @@ def register_attention(backend: str) -> None:
         register_torch_varlen_attention()
 
 
+def check_attention_window(backend: str, sliding_window: int | None) -> None:
+    """Refuse a backend that would silently drop the model's sliding window (``sliding_window`` is
+    what ``model.prepare_hf_config`` kept: None when the window covers train.seq_len). sdpa and flex
+    build the window into their masks; the varlen kernels take it as a left window size."""
+    if sliding_window is None:
+        return
+    if backend == "torch_varlen":
+        from training.fast_kernels import varlen_supports_window
+
+        ok, where = varlen_supports_window(), "this torch's torch.nn.attention.varlen.varlen_attn has no window_size"
+    elif backend == "flash_varlen":
+        import inspect
+
+        try:
+            from flash_attn import flash_attn_varlen_func
+        except ImportError:
+            return  # the backend itself fails with its own message
+        ok = "window_size" in inspect.signature(flash_attn_varlen_func).parameters
+        where = "the installed flash_attn has no window_size"
+    else:
+        return
+    if not ok:
+        raise ValueError(
+            f"train.attention_backend={backend!r}: {where}, so the base model's sliding_window={sliding_window} "
+            "(< train.seq_len) would be ignored; use attention_backend flex or sdpa, a newer torch/flash_attn, "
+            "or train.seq_len <= sliding_window")
+
+
 def apply_fast_kernels(name: str, module: nn.Module, loss=None, in_layers: bool = True) -> dict[str, int]:
     """Swap the named kernel set into a built pipeline module (``loss``: its TokenMeanLoss, or
     None to keep materialised logits, e.g. for the parity check). ``in_layers=False`` keeps the
@@ -38,14 +66,15 @@ def compile_decoder_layers(module: nn.Module, backend: str = "inductor") -> int:
     import functools
 
     import torch
-    from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
 
-    from training.model import DecoderLayerPipe
+    from training.model import DecoderLayerPipe, decoder_block
 
     # dynamic=None: shapes start static; a dimension seen changing (cu_seqlens' length on packed rows,
     # one per document count) becomes symbolic on its first recompile instead of one graph per count,
     # which hits dynamo's recompile limit within a few micro-batches and leaves the rest eager
-    compiled = torch.compile(MistralDecoderLayer.forward, dynamic=None, backend=backend)
+    # decoder_block: the layer with its train.recompute (a checkpointed region compiles as one
+    # higher-order op; layers of two modes, as every_n gives, compile two graphs)
+    compiled = torch.compile(decoder_block, dynamic=None, backend=backend)
     layers = [m for m in module.modules() if isinstance(m, DecoderLayerPipe)]
     for layer in layers:
         layer.block = functools.partial(compiled, layer)

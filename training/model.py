@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from transformers import MistralConfig
 from transformers.models.mistral.modeling_mistral import (
@@ -201,18 +202,71 @@ class EmbeddingPipe(nn.Module):
         return self.embed_tokens(input_ids), position_ids
 
 
+# train.recompute: what a decoder layer recomputes in backward instead of keeping for it
+RECOMPUTE_MODES = ("none", "full", "attention", "mlp", "every_n")
+LAYER_RECOMPUTE = ("none", "full", "attention", "mlp")  # per layer (every_n: full on every n-th, else none)
+
+
+def layer_recompute(mode: str, layer_idx: int, every: int = 1) -> str:
+    """The per-layer mode of ``train.recompute``: ``every_n`` checkpoints layers 0, n, 2n, ... whole."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"train.recompute: unknown {mode!r}, expected one of {list(RECOMPUTE_MODES)}")
+    if mode == "every_n":
+        return "full" if layer_idx % every == 0 else "none"
+    return mode
+
+
+def _recomputed(fn, *args, **kwargs):
+    # non-reentrant: kwargs and non-tensor arguments pass through, and torch.compile traces it
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def _attention_part(layer, hidden_states, **kwargs):
+    """input RMSNorm + self-attention (projections, RoPE, attention core, output projection)."""
+    out, _ = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)
+    return out
+
+
+def _mlp_part(layer, hidden_states):
+    """post-attention RMSNorm + SwiGLU MLP."""
+    return layer.mlp(layer.post_attention_layernorm(hidden_states))
+
+
+def decoder_block(layer, hidden_states, **kwargs):
+    """One decoder layer's computation (transformers' MistralDecoderLayer.forward, same order of
+    operations) with the layer's recomputation: ``full`` keeps only the layer input for backward,
+    ``attention`` / ``mlp`` keep only the input of that half (its activations are recomputed)."""
+    mode = layer.recompute if torch.is_grad_enabled() else "none"
+    if mode == "none":
+        return MistralDecoderLayer.forward(layer, hidden_states, **kwargs)
+    if mode == "full":
+        return _recomputed(MistralDecoderLayer.forward, layer, hidden_states, **kwargs)
+    attn = _recomputed if mode == "attention" else _call
+    mlp = _recomputed if mode == "mlp" else _call
+    hidden_states = hidden_states + attn(_attention_part, layer, hidden_states, **kwargs)
+    return hidden_states + mlp(_mlp_part, layer, hidden_states)
+
+
+def _call(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
 class DecoderLayerPipe(MistralDecoderLayer):
     """transformers' MistralDecoderLayer with a tuple-in/tuple-out pipeline interface."""
 
-    def __init__(self, config: MistralConfig, layer_idx: int, context: PackedAttentionContext):
+    def __init__(self, config: MistralConfig, layer_idx: int, context: PackedAttentionContext,
+                 recompute: str = "none"):
         super().__init__(config, layer_idx)
+        if recompute not in LAYER_RECOMPUTE:
+            raise ValueError(f"layer recompute {recompute!r}: expected one of {LAYER_RECOMPUTE}")
         self.hf_prefix = f"model.layers.{layer_idx}."
         self.attention_context = context  # plain object, not a submodule
+        self.recompute = recompute
 
     def block(self, hidden_states, **kwargs):
         """The layer's computation without the per-micro-batch context lookup: the seam where
         ``kernels.compile_decoder_layers`` puts one compiled function shared by every layer."""
-        return MistralDecoderLayer.forward(self, hidden_states, **kwargs)
+        return decoder_block(self, hidden_states, **kwargs)
 
     def forward(self, inputs):
         hidden_states, position_ids = inputs
@@ -278,7 +332,7 @@ def prepare_hf_config(config: MistralConfig, attention_backend: str, seq_len: in
 
 
 def layer_specs(config: MistralConfig, attention_backend: str, sync_free_attention: bool = False,
-                causal_rows_sdpa: bool = False) -> list:
+                causal_rows_sdpa: bool = False, recompute: str = "none", recompute_every: int = 1) -> list:
     """LayerSpecs (built lazily, only on the stage that owns them)."""
     from deepspeed.pipe import LayerSpec
 
@@ -286,7 +340,8 @@ def layer_specs(config: MistralConfig, attention_backend: str, sync_free_attenti
                                      causal_rows_sdpa=causal_rows_sdpa)
     return [
         LayerSpec(EmbeddingPipe, config),
-        *[LayerSpec(DecoderLayerPipe, config, i, context) for i in range(config.num_hidden_layers)],
+        *[LayerSpec(DecoderLayerPipe, config, i, context, layer_recompute(recompute, i, recompute_every))
+          for i in range(config.num_hidden_layers)],
         LayerSpec(FinalNormPipe, config),
         LayerSpec(LMHeadPipe, config),
     ]
@@ -303,6 +358,8 @@ def build_pipeline_module(
     device: str | torch.device | None = None,
     sync_free_attention: bool = False,
     causal_rows_sdpa: bool = False,
+    recompute: str = "none",
+    recompute_every: int = 1,
 ):
     """The PipelineModule (needs torch.distributed initialised). Parameters are created directly
     on ``device`` so a stage never holds other stages' layers, nor a CPU copy of its own.
@@ -316,7 +373,8 @@ def build_pipeline_module(
         loss_fn = TokenMeanLoss(causal_lm_loss_sum)
     with torch.device(device or "cpu"):
         module = PipelineModule(
-            layers=layer_specs(config, attention_backend, sync_free_attention, causal_rows_sdpa),
+            layers=layer_specs(config, attention_backend, sync_free_attention, causal_rows_sdpa, recompute,
+                               recompute_every),
             num_stages=num_stages,
             loss_fn=loss_fn,
             partition_method=partition_method,

@@ -49,6 +49,7 @@ from training.data import COLUMNS, MicroBatches, ShardSet, columns_for, split_fi
 from training.flops import ModelShape, flops_per_token  # noqa: E402
 from training.kernels import (  # noqa: E402
     apply_fast_kernels,
+    check_attention_window,
     compile_decoder_layers,
     convert_fp8,
     main_grad_linears,
@@ -56,6 +57,16 @@ from training.kernels import (  # noqa: E402
 )
 from training.lease import RunLease, attempt_id  # noqa: E402
 from training.loss import StepBatches, TokenMeanLoss  # noqa: E402
+from training.memory import (  # noqa: E402
+    GIB,
+    USABLE_FRACTION,
+    StageMemory,
+    TrainShape,
+    choose_recompute,
+    estimate_stages,
+    fits,
+    tokens_that_fit,
+)
 from training.metrics import MetricsLog, peak_tflops, write_report  # noqa: E402
 from training.model import build_pipeline_module, pipe_layers, prepare_hf_config  # noqa: E402
 from training.optim import (  # noqa: E402
@@ -95,6 +106,9 @@ class Plan:
     staging: Path
     settings: Settings
     tokenizer: TokenizerSpec | None = None  # what the train-ready artifact was rendered with
+    recompute: str = "none"  # train.recompute resolved (auto -> a mode, training/memory.py)
+    recompute_every: int = 1
+    memory: StageMemory | None = None  # the fullest stage's estimate (GPU only)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -151,6 +165,7 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
     try:
         register_attention(settings.attention_backend)
         hf_config = prepare_hf_config(base_config, settings.attention_backend, t.seq_len)
+        check_attention_window(settings.attention_backend, hf_config.sliding_window)
     except ValueError as e:
         raise TrainConfigError(str(e)) from None
     n_layers = hf_config.num_hidden_layers + 3
@@ -182,8 +197,48 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
         ds_config = build_ds_config(t, dp, settings)
     except OptimizerConfigError as e:
         raise TrainConfigError(str(e)) from None
+    device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if on_gpu else None
+    recompute, every, memory = plan_recompute(t, hf_config, dp, settings, device_bytes)
     return Plan(cfg, input_uri, run_uri, run_id, world_size, t.pipeline_stages, dp, hf_config, base_config,
-                ds_config, staging, settings, info.tokenizer if info else None)
+                ds_config, staging, settings, info.tokenizer if info else None, recompute, every, memory)
+
+
+def plan_recompute(t, hf_config, dp: int, settings: Settings, device_bytes: int | None):
+    """``train.recompute`` resolved and the fullest stage's memory checked against the device before
+    any weight loads (training/memory.py); CPU runs (``device_bytes`` None): auto is none, no check."""
+    shape = ModelShape.from_hf_config(hf_config)
+    ts = TrainShape(seq_len=t.seq_len, micro_batch=t.micro_batch_size, stages=t.pipeline_stages, dp=dp,
+                    micro_batches=t.gradient_accumulation_steps, bf16=settings.bf16,
+                    grad_accum_fp32=t.grad_accum_dtype == "fp32",
+                    fused_grad_accumulation=t.fused_grad_accumulation, fused_loss=settings.fast_kernels == "liger",
+                    sliding_window=hf_config.sliding_window)
+    mode, every = t.recompute, t.recompute_every
+    if mode == "auto" and (device_bytes is None or t.activation_checkpoint_interval):
+        mode = "none"  # CPU, or DeepSpeed's own interval checkpointing chosen by hand
+    if device_bytes is None or t.activation_checkpoint_interval:
+        return mode, every, None  # no estimate for DeepSpeed's checkpointing: not checked
+    if mode == "auto":
+        chosen = choose_recompute(shape, ts, device_bytes)
+        if chosen is None:
+            worst = max(estimate_stages(shape, ts, "full"), key=lambda m: m.total)
+            raise TrainConfigError(_does_not_fit(worst, device_bytes, "train.recompute=auto found no mode that fits",
+                                                 tokens_that_fit(shape, ts, device_bytes)))
+        mode, every, worst = chosen
+        log.info("train.recompute=auto -> %s%s (%s)", mode, f" (every {every})" if mode == "every_n" else "",
+                 worst.describe())
+        return mode, every, worst
+    worst = max(estimate_stages(shape, ts, mode, every), key=lambda m: m.total)
+    if not fits(worst, device_bytes):
+        raise TrainConfigError(_does_not_fit(worst, device_bytes, f"train.recompute={mode}",
+                                             tokens_that_fit(shape, ts, device_bytes)))
+    return mode, every, worst
+
+
+def _does_not_fit(worst: StageMemory, device_bytes: int, what: str, longest: int) -> str:
+    return (f"estimated GPU memory does not fit: {what}: {worst.describe()} > "
+            f"{USABLE_FRACTION:.0%} of {device_bytes / GIB:.0f} GiB. Lower train.micro_batch_size or train.seq_len "
+            f"(with full recomputation this stage fits train.seq_len up to ~{longest} at this micro-batch size), set "
+            "train.recompute to full (or auto), or raise train.pipeline_stages to spread the layers")
 
 
 def train_ready_info(manifest) -> TrainReadyInfo | None:
@@ -385,10 +440,11 @@ class Trainer:
         plan.staging = agreed_staging(plan.staging, self.io_group)
         log.info("settings: precision=%s attention_backend=%s fast_kernels=%s grad_accum_dtype=%s device=%s "
                  "compile_layers=%s sync_free_attention=%s pin_memory=%s async_checkpoint=%s "
-                 "fused_wgrad_accumulation=%s fp8=%s",
+                 "fused_wgrad_accumulation=%s fp8=%s recompute=%s%s",
                  self.settings.precision, self.settings.attention_backend, self.settings.fast_kernels,
                  t.grad_accum_dtype if self.settings.bf16 else "fp32", device, t.compile_layers,
-                 t.sync_free_attention, t.pin_memory, t.async_checkpoint, self.settings.fused_wgrad, t.fp8)
+                 t.sync_free_attention, t.pin_memory, t.async_checkpoint, self.settings.fused_wgrad, t.fp8, plan.recompute,
+                 f" (every {plan.recompute_every})" if plan.recompute == "every_n" else "")
         torch.manual_seed(t.seed)
         np.random.seed(t.seed)
         random.seed(t.seed)
@@ -399,6 +455,7 @@ class Trainer:
             attention_backend=self.settings.attention_backend,
             activation_checkpoint_interval=t.activation_checkpoint_interval, device=device,
             sync_free_attention=t.sync_free_attention, causal_rows_sdpa=t.causal_rows_sdpa,
+            recompute=plan.recompute, recompute_every=plan.recompute_every,
         )
         self.loss: TokenMeanLoss = pipe.loss_fn
         swapped = apply_fast_kernels(self.settings.fast_kernels, pipe, loss=self.loss, in_layers=not t.compile_layers)
@@ -444,7 +501,9 @@ class Trainer:
                              attention_backend=self.settings.attention_backend,
                              fast_kernels=self.settings.fast_kernels,
                              grad_accum_dtype=t.grad_accum_dtype if self.settings.bf16 else "fp32",
-                             fp8=t.fp8, **dataclasses.asdict(self.fast_paths),
+                             fp8=t.fp8, recompute=plan.recompute, recompute_every=plan.recompute_every,
+                             estimated_stage_gib=round(plan.memory.total / GIB, 2) if plan.memory else None,
+                             **dataclasses.asdict(self.fast_paths),
                              optimizer_wrapper=type(engine.optimizer).__name__)
 
     def _fetch_inputs(self, rank: int, local_rank: int) -> Path:

@@ -39,13 +39,16 @@ class _LinearMainGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x)
+        # the Parameter itself, not a saved tensor: under activation recomputation (train.recompute)
+        # saved tensors come back as plain tensors, without the bound ``main_grad``
+        ctx.weight = weight
         ctx.has_bias = bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        (x,), weight = ctx.saved_tensors, ctx.weight
         grad_x = grad_out @ weight if ctx.needs_input_grad[0] else None
         g2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
         accumulate_wgrad(weight.main_grad.view(weight.shape), g2, x2)
