@@ -384,6 +384,11 @@ class ReleaseSection(Section):
     force_promote: bool = Field(False, description="Move models/LATEST even when the new model evaluates worse")
     eval_max_rows: int | None = Field(256, ge=1, description="Packed val rows both models are evaluated on (null = all)")
     eval_device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="Where the promotion eval runs")
+    # --- deployment policy (issue 26.5): not trigger-overridable (params.OVERRIDABLE does not list them)
+    max_order_key_ahead_s: float = Field(
+        3600.0, ge=0, le=366 * 86_400,
+        description="A run whose logical date (its models/LATEST order key) is more than this many seconds ahead "
+                    "of now is refused by resolve and by the promotion: a date in 2100 would pin LATEST forever")
 
 
 class Config(BaseModel):
