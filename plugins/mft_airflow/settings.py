@@ -16,8 +16,17 @@ from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from pipeline_core import uris
 from pipeline_core.config import PROJECT_ROOT
 
 ENV_PREFIX = "MFT_DEPLOY__"
@@ -121,6 +130,23 @@ class DeploySettings(BaseModel):
         (), description="Extra worker environment variables the local launcher passes to torchrun (names)")
     credentials_file: str | None = Field(
         None, description="docker: host path of an AWS shared-credentials file (a Docker secret), mounted read-only")
+
+    # --- what a trigger may choose (issue 26.5, 26.8b; docs/orchestration.md "Trigger policy"). The
+    # deployment's own config values are always allowed; a trigger's other values must be listed here.
+    allowed_source_prefixes: tuple[str, ...] = Field(
+        default_factory=lambda: (uris.qualify(PROJECT_ROOT / "sample_data"),),
+        description="URI prefixes a trigger's source_uri may name (whole path components); default: the embedded sample")
+    allowed_base_models: tuple[str, ...] = Field(
+        ("tiny",), description="base_model values a trigger may name: exact ids, or prefixes ending in '/' "
+                               "(a hub organisation, a model directory); default: the embedded tiny model")
+    force_promote_users: tuple[str, ...] = Field(
+        (), description="Airflow user names whose triggers may set force_promote (the triggering user of the run); "
+                        "empty: nobody, a forced promotion is then a deployment setting (release.force_promote)")
+
+    @field_validator("allowed_source_prefixes")
+    @classmethod
+    def _source_prefixes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(p if p.startswith("hf://") else uris.require_uri(p) for p in v)
 
     @model_validator(mode="after")
     def _multi_node(self) -> DeploySettings:
