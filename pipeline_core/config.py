@@ -106,6 +106,9 @@ class StorageSection(Section):
     credentials_refresh_s: int = Field(
         900, ge=0, le=86_400, description="Rebuild S3 clients (re-reading static credentials) at least this often; 0 = never"
     )
+    accept_unenforced_conditional_writes: bool = Field(
+        False, description="Run on a server that ignores If-None-Match (found by a probe before the first conditional "
+                           "write of each process): leases, manifests and models/LATEST lose their one-writer guarantee")
 
 
 class SparkStageSection(Section):

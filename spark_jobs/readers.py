@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd  # module level: pandas_udf resolves its type hints in this module
 
 from pipeline_core import uris
+from pipeline_core.artifacts import safe_relpath
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -146,8 +147,21 @@ def download_store_prefix(input_uri: str, splits: list[str], dest: Path, storage
     chosen = named or files
     if not chosen:
         raise FileNotFoundError(f"no .parquet/.jsonl/.json files under {input_uri}")
+    # a key is data, never a path: `raw//abs/x.parquet` or `raw/../x.jsonl` would write outside `dest`
+    # (issue 26.8a); every key is checked before any file is copied
+    root = dest.resolve()
+    targets = []
     for k in chosen:
-        store.get_file(k, dest / k[len(prefix):])
+        try:
+            rel = safe_relpath(k[len(prefix):], f"input key {k!r} under {input_uri}")
+        except ValueError as e:
+            raise ValueError(f"{e}; remove or rename that object") from None
+        target = dest / rel
+        if not target.resolve().is_relative_to(root):  # a symlink planted in the download directory
+            raise ValueError(f"input key {k!r} under {input_uri} resolves outside the download directory {dest}")
+        targets.append((k, target))
+    for k, target in targets:
+        store.get_file(k, target)
     log.info("copied %d input file(s) from %s to %s (this Spark has no s3a connector)", len(chosen), input_uri, dest)
     return uris.qualify(dest)
 
