@@ -10,6 +10,7 @@ Airflow import), so it is tested directly.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from datetime import UTC, datetime, timedelta
@@ -67,6 +68,51 @@ def _allowed(value: str, allowed: tuple[str, ...]) -> bool:
     if any(part in ("..", ".") for part in value.split("/")):
         return False
     return any(value == a or value.startswith(a if a.endswith("/") else a + "/") for a in allowed)
+
+
+def _base_model_config(base_model: str) -> dict[str, Any] | None:
+    """The base model's config.json fields when they can be read without a download: the embedded
+    tiny model and local directories (a hub id is checked by the trainer)."""
+    from training.tiny import TINY_CONFIG
+
+    if base_model == "tiny":
+        return {"model_type": "mistral", **TINY_CONFIG}
+    path = uris.to_local_path(base_model) if base_model.startswith("file://") else Path(base_model)
+    try:
+        return json.loads((path / "config.json").read_text()) if path.is_absolute() else None
+    except (OSError, ValueError):
+        return None  # not a readable local model: the trainer names the problem
+
+
+def check_cross_fields(cfg: Config, stages: list[str]) -> None:
+    """The rules between fields that later stages enforce, checked before any compute (issue 26.6):
+    the trainer's (sequence length of the data, the model's positions and layers) and the publish
+    task's (a val split to evaluate on). Each message names the fields to change."""
+    if "train" not in stages:
+        return
+    f, t = cfg.filter, cfg.train
+    errors = []
+    if t.seq_len != f.seq_len:
+        errors.append(f"train.seq_len={t.seq_len} != filter.seq_len={f.seq_len}: the trainer needs the rows packed to "
+                      "its own length (set both, e.g. with the seq_len param)")
+    if f.val_fraction == 0:
+        errors.append("filter.val_fraction=0: the publish task scores the model on the val split, so a run that "
+                      "trains needs val rows; set filter.val_fraction > 0 (e.g. 0.05)")
+    model = _base_model_config(t.base_model)
+    if model is not None:
+        where = f"train.base_model={t.base_model!r}"
+        if model.get("model_type") not in (None, "mistral"):
+            errors.append(f"{where} is a {model.get('model_type')!r} model; the pipeline trains Mistral models")
+        if model.get("tie_word_embeddings"):
+            errors.append(f"{where} ties its input and output embeddings, which the pipeline model does not support")
+        positions = model.get("max_position_embeddings")
+        if positions is not None and t.seq_len > positions:
+            errors.append(f"train.seq_len={t.seq_len} exceeds {where}'s max_position_embeddings={positions}")
+        layers = model.get("num_hidden_layers")
+        if layers is not None and t.pipeline_stages > layers + 3:  # + embedding, final norm, head (training/train.py)
+            errors.append(f"train.pipeline_stages={t.pipeline_stages} exceeds {where}'s {layers + 3} pipe layers")
+    if errors:
+        raise PlanError("invalid combination of settings:\n  " + "\n  ".join(errors))
 
 
 def check_deployment_policy(params: dict[str, Any], cfg: Config, deployed: Config, settings: DeploySettings,
@@ -139,6 +185,7 @@ def resolve_plan(
             cfg.train.accumulation_steps(world_size)  # a global batch that does not divide: refused now
     except ConfigError as e:
         raise PlanError(str(e)) from None
+    check_cross_fields(cfg, stages)
     check_deployment_policy(params, cfg, deployed, settings, triggered_by, run_date, now or datetime.now(UTC))
 
     staging = cfg.pipeline.staging_uri
