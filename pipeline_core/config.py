@@ -29,6 +29,8 @@ NEMOTRON_SPLITS = ("chat", "code", "math", "stem", "tool")  # v1's files: data/<
 NEMOTRON_V2_SPLITS = ("chat", "code", "math", "stem", *(f"multilingual_{c}" for c in ("de", "es", "fr", "it", "ja")))
 SPLIT_ALIASES = {"tool_calling": "tool"}  # the hub's config name for v1's data/tool-*.parquet
 SPLIT_NAME = re.compile(r"^[a-z0-9][a-z0-9_]{0,63}$")
+# Spark settings that make a read drop data it cannot read instead of failing
+LOSSY_SPARK_SETTINGS = ("spark.sql.files.ignoreCorruptFiles", "spark.sql.files.ignoreMissingFiles")
 
 
 class ConfigError(ValueError):
@@ -128,9 +130,25 @@ class SparkStageSection(Section):
             raise ValueError(f"keys {bad} are not Spark settings (they must start with 'spark.')")
         return {k: str(x) for k, x in v.items()}
 
+    @model_validator(mode="after")
+    def _lossy_reads(self) -> SparkStageSection:
+        # Spark then drops the rest of a file it cannot read without a word (issue 26.9b)
+        lossy = [k for k in LOSSY_SPARK_SETTINGS if str(self.spark_conf.get(k, "false")).strip().lower() == "true"]
+        if lossy and not getattr(self, "accept_corrupt_file_loss", False):
+            accept = ("set enrich.accept_corrupt_file_loss to accept the loss (the manifest records the rows lost "
+                      "per file)" if "accept_corrupt_file_loss" in type(self).model_fields else
+                      "only the enrich stage (reading raw input) may accept that, with enrich.accept_corrupt_file_loss")
+            raise ValueError(f"spark_conf {lossy}=true skips unreadable input files and their rows silently; {accept}")
+        return self
+
 
 class EnrichSection(SparkStageSection):
     """Spark enrichment: normalisation, sentences, embeddings, similarities."""
+
+    accept_corrupt_file_loss: bool = Field(
+        False, description="Deployment only: allow spark.sql.files.ignoreCorruptFiles; rows Spark skips are then "
+                           "counted per input file against the file's own count and recorded in the manifest "
+                           "(rejected.corrupt_input_file) instead of failing the stage")
 
     splits: list[str] = Field(default_factory=lambda: list(NEMOTRON_SPLITS))
     input_format: Literal["auto", "parquet", "jsonl"] = "auto"

@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from pipeline_core import uris
-from pipeline_core.config import PROJECT_ROOT
+from pipeline_core.config import LOSSY_SPARK_SETTINGS, PROJECT_ROOT
 
 ENV_PREFIX = "MFT_DEPLOY__"
 Launcher = Literal["local", "docker", "kubernetes"]
@@ -142,6 +142,15 @@ class DeploySettings(BaseModel):
     force_promote_users: tuple[str, ...] = Field(
         (), description="Airflow user names whose triggers may set force_promote (the triggering user of the run); "
                         "empty: nobody, a forced promotion is then a deployment setting (release.force_promote)")
+
+    @field_validator("spark_conf")
+    @classmethod
+    def _no_lossy_reads(cls, v: dict[str, str]) -> dict[str, str]:
+        lossy = [k for k in LOSSY_SPARK_SETTINGS if str(v.get(k, "false")).strip().lower() == "true"]
+        if lossy:
+            raise ValueError(f"{lossy}=true would drop unreadable input files silently; set it in enrich.spark_conf "
+                             "with enrich.accept_corrupt_file_loss, so the manifest records the rows lost per file")
+        return v
 
     @field_validator("allowed_source_prefixes")
     @classmethod
