@@ -15,7 +15,9 @@ from pipeline_core.config import Config, SparkStageSection, stable_hash
 # How a stage runs, not what it computes: moving a job to a cluster or retuning its partitions
 # must find the artifact it already committed, not a new path.
 EXECUTION_ONLY = frozenset(SparkStageSection.model_fields) | {
-    "embedding_threads", "arrow_batch_rows", "embedding_device", "embedding_batch_tokens", "embedding_tokenizer_threads"}
+    "embedding_threads", "arrow_batch_rows", "embedding_device", "embedding_batch_tokens", "embedding_tokenizer_threads",
+    # a permission, not a content setting: rows it lets go are recorded in the manifest's counts
+    "accept_corrupt_file_loss"}
 
 
 # Train settings a resume may change: how the run executes, not what its weights and data position mean.
