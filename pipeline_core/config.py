@@ -31,6 +31,8 @@ NEMOTRON_SPLITS = ("chat", "code", "math", "stem", "tool")  # v1's files: data/<
 NEMOTRON_V2_SPLITS = ("chat", "code", "math", "stem", *(f"multilingual_{c}" for c in ("de", "es", "fr", "it", "ja")))
 SPLIT_ALIASES = {"tool_calling": "tool"}  # the hub's config name for v1's data/tool-*.parquet
 SPLIT_NAME = re.compile(r"^[a-z0-9][a-z0-9_]{0,63}$")
+# Spark settings that make a read drop data it cannot read instead of failing
+LOSSY_SPARK_SETTINGS = ("spark.sql.files.ignoreCorruptFiles", "spark.sql.files.ignoreMissingFiles")
 
 
 class ConfigError(ValueError):
@@ -151,6 +153,9 @@ class StorageSection(Section):
     credentials_refresh_s: int = execution(
         900, ge=0, le=86_400, description="Rebuild S3 clients (re-reading static credentials) at least this often; 0 = never"
     )
+    accept_unenforced_conditional_writes: bool = execution(
+        False, description="Run on a server that ignores If-None-Match (found by a probe before the first conditional "
+                           "write of each process): leases, manifests and models/LATEST lose their one-writer guarantee")
 
 
 class SparkStageSection(Section):
@@ -170,9 +175,25 @@ class SparkStageSection(Section):
             raise ValueError(f"keys {bad} are not Spark settings (they must start with 'spark.')")
         return {k: str(x) for k, x in v.items()}
 
+    @model_validator(mode="after")
+    def _lossy_reads(self) -> SparkStageSection:
+        # Spark then drops the rest of a file it cannot read without a word (issue 26.9b)
+        lossy = [k for k in LOSSY_SPARK_SETTINGS if str(self.spark_conf.get(k, "false")).strip().lower() == "true"]
+        if lossy and not getattr(self, "accept_corrupt_file_loss", False):
+            accept = ("set enrich.accept_corrupt_file_loss to accept the loss (the manifest records the rows lost "
+                      "per file)" if "accept_corrupt_file_loss" in type(self).model_fields else
+                      "only the enrich stage (reading raw input) may accept that, with enrich.accept_corrupt_file_loss")
+            raise ValueError(f"spark_conf {lossy}=true skips unreadable input files and their rows silently; {accept}")
+        return self
+
 
 class EnrichSection(SparkStageSection):
     """Spark enrichment: normalisation, sentences, embeddings, similarities."""
+
+    accept_corrupt_file_loss: bool = execution(
+        False, description="Deployment only: allow spark.sql.files.ignoreCorruptFiles; rows Spark skips are then "
+                           "counted per input file against the file's own count and recorded in the manifest "
+                           "(rejected.corrupt_input_file) instead of failing the stage")
 
     splits: list[str] = content(default_factory=lambda: list(NEMOTRON_SPLITS), trigger=True)
     input_format: Literal["auto", "parquet", "jsonl"] = content("auto", trigger=True)
@@ -546,6 +567,12 @@ class ReleaseSection(Section):
     force_promote: bool = execution(False, description="Move models/LATEST even when the new model evaluates worse")
     eval_max_rows: int | None = execution(256, ge=1, description="Packed val rows both models are evaluated on (null = all)")
     eval_device: str = execution("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="Where the promotion eval runs")
+    # --- deployment policy (issue 26.5): not trigger-overridable (params.OVERRIDABLE does not list them)
+    max_order_key_ahead_s: float = execution(
+        3600.0, ge=0, le=366 * 86_400,
+        description="A run whose logical date (its models/LATEST order key) is more than this many seconds ahead "
+                    "of now is refused by resolve and by the promotion: a date in 2100 would pin LATEST forever")
+
     # benchmarks after training and promotion on their scores (training/benchmarks.py, docs/evaluation.md)
     eval_tasks: list[EvalTaskSpec] = execution(
         default_factory=list, description="lm-evaluation-harness tasks run on the exported model (runs/<run>/eval/)")

@@ -19,9 +19,10 @@ import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from pipeline_core import uris
 
@@ -46,6 +47,10 @@ class PreconditionFailed(StoreError):
 
 class ChecksumMismatch(StoreError):
     """Bytes read do not hash to what was written."""
+
+
+class ConditionalWritesIgnored(StoreError):
+    """The server accepted a second create-if-absent of one key: it does not enforce If-None-Match."""
 
 
 class ObjectNotFound(StoreError, FileNotFoundError):
@@ -116,6 +121,11 @@ class ObjectStore(ABC):
             self.delete(o.key)
         return len(objs)
 
+    def check_conditional_writes(self, near: str) -> None:
+        """Raise `ConditionalWritesIgnored` if create-if-absent is not enforced (S3: probed once per
+        process). A local directory's `link` always is."""
+        return None
+
     def exists(self, key: str) -> bool:
         return self.head(key) is not None
 
@@ -161,16 +171,31 @@ class LocalStore(ObjectStore):
         os.chmod(name, 0o666 & ~_UMASK)  # mkstemp makes 0600; objects get ordinary file permissions
         return Path(name)
 
+    @staticmethod
+    def _write_tmp(tmp: Path, write: Callable[[BinaryIO], None]) -> None:
+        """Fill `tmp`, durably; a failed write (disk full, an I/O error) removes it, so no `.tmp`
+        file is left behind (issue 26.9c)."""
+        try:
+            with open(tmp, "wb") as f:
+                write(f)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
     def put_file(self, key: str, path: str | Path, if_none_match: bool = False) -> ObjectInfo:
         dest = self._path(key)
         tmp = self._tmp(dest)
         h = hashlib.sha256()
-        with open(path, "rb") as src, open(tmp, "wb") as dst:
-            for chunk in iter(lambda: src.read(CHUNK), b""):
-                h.update(chunk)
-                dst.write(chunk)
-            dst.flush()
-            os.fsync(dst.fileno())
+
+        def write(dst: BinaryIO) -> None:
+            with open(path, "rb") as src:
+                for chunk in iter(lambda: src.read(CHUNK), b""):
+                    h.update(chunk)
+                    dst.write(chunk)
+
+        self._write_tmp(tmp, write)
         size = tmp.stat().st_size
         self._commit(tmp, dest, key, if_none_match)
         return ObjectInfo(key, size, h.hexdigest())
@@ -178,10 +203,7 @@ class LocalStore(ObjectStore):
     def put_bytes(self, key: str, data: bytes, if_none_match: bool = False, if_match: str | None = None) -> ObjectInfo:
         dest = self._path(key)
         tmp = self._tmp(dest)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        self._write_tmp(tmp, lambda f: f.write(data))
         if if_match is None:
             self._commit(tmp, dest, key, if_none_match)
         else:
@@ -265,7 +287,12 @@ class LocalStore(ObjectStore):
             raise ObjectNotFound(self.uri(src_key))
         dest = self._path(dst_key)
         tmp = self._tmp(dest)
-        shutil.copyfile(src, tmp)
+
+        def write(dst: BinaryIO) -> None:
+            with open(src, "rb") as f:
+                shutil.copyfileobj(f, dst, CHUNK)
+
+        self._write_tmp(tmp, write)
         os.replace(tmp, dest)
 
     def delete_prefix(self, prefix: str) -> int:
@@ -277,15 +304,53 @@ class LocalStore(ObjectStore):
 
 
 # --------------------------------------------------------------------------------------------
+# (endpoint, bucket, pid) -> the store enforces If-None-Match. Per process on purpose: the probe
+# costs three requests and its answer is a property of the server, not of a call.
+_CONDITIONAL_WRITES: dict[tuple[str, str, int], bool] = {}
+PROBE_PREFIX = ".mft-conditional-write-probe-"
+
+
 class S3Store(ObjectStore):
     """One bucket of an S3-compatible server (AWS, MinIO, moto...)."""
 
-    def __init__(self, bucket: str, client: Any, transfer_config: Any, multipart_threshold: int, max_attempts: int = 8):
+    def __init__(self, bucket: str, client: Any, transfer_config: Any, multipart_threshold: int, max_attempts: int = 8,
+                 accept_unenforced_conditional_writes: bool = False):
         self.bucket = bucket
         self.client = client
         self.transfer_config = transfer_config
         self.multipart_threshold = multipart_threshold
         self.max_attempts = max_attempts
+        self.accept_unenforced = accept_unenforced_conditional_writes
+
+    def check_conditional_writes(self, near: str) -> None:
+        """Before this process's first conditional write to the bucket: create a scratch key twice
+        with If-None-Match; the second must fail (412). A server that ignores the header would let
+        two writers both commit a lease, a manifest or a LATEST step (issue 26.8c)."""
+        ident = (str(self.client.meta.endpoint_url), self.bucket, os.getpid())
+        if ident in _CONDITIONAL_WRITES:
+            enforced = _CONDITIONAL_WRITES[ident]
+        else:
+            # next to the key about to be written: a prefix-scoped credential may write only there
+            parent = near.rpartition("/")[0]
+            key = f"{parent + '/' if parent else ''}{PROBE_PREFIX}{os.getpid()}-{random.getrandbits(64):016x}"
+            self._put_if(key, b"1", sha256_bytes(b"1"), 1)
+            try:
+                self._put_if(key, b"2", sha256_bytes(b"2"), 1)
+                enforced = False
+            except PreconditionFailed:
+                enforced = True
+            finally:
+                self.client.delete_object(Bucket=self.bucket, Key=key)
+            _CONDITIONAL_WRITES[ident] = enforced
+        if enforced:
+            return
+        msg = (f"s3://{self.bucket} at {ident[0]} accepted a second create-if-absent (If-None-Match: *) of one key: "
+               "it does not enforce conditional writes, so two writers could both commit a lease, a manifest or a "
+               "models/LATEST step")
+        if not self.accept_unenforced:
+            raise ConditionalWritesIgnored(f"{msg}. Use a store (or proxy) that passes If-None-Match on, or set "
+                                           "storage.accept_unenforced_conditional_writes: true to run with that risk")
+        log.warning("%s; running anyway (storage.accept_unenforced_conditional_writes)", msg)
 
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{key.lstrip('/')}"
@@ -294,6 +359,10 @@ class S3Store(ObjectStore):
         return str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
 
     def _conditional_put(self, key: str, body: Any, sha: str, size: int, if_match: str | None = None) -> ObjectInfo:
+        self.check_conditional_writes(key)
+        return self._put_if(key, body, sha, size, if_match)
+
+    def _put_if(self, key: str, body: Any, sha: str, size: int, if_match: str | None = None) -> ObjectInfo:
         """One conditional PUT. 412 means another writer won. 409 ConditionalRequestConflict means a
         concurrent conditional write on the same key was in flight: the outcome is unknown, so the
         request is retried (with backoff, up to storage.max_attempts) instead of being read as a loss."""
@@ -497,6 +566,12 @@ def _cached_s3_client(storage_json: str, _key: tuple[object, ...]) -> tuple[Any,
     return client, transfer
 
 
+def require_conditional_writes(uri: str, storage: StorageSection | None = None) -> None:
+    """Refuse a store that ignores If-None-Match before any work for `uri` starts (issue 26.8c)."""
+    store, key = open_store(uri, storage)
+    store.check_conditional_writes(key.rstrip("/") + "/")
+
+
 def open_store(uri: str, storage: StorageSection | None = None) -> tuple[ObjectStore, str]:
     """The store holding `uri`, and the key of `uri` inside it."""
     uri = uris.require_uri(uri, "store URI")
@@ -508,5 +583,6 @@ def open_store(uri: str, storage: StorageSection | None = None) -> tuple[ObjectS
         bucket, key = uris.split_bucket_key(uri)
         client, transfer = s3_client(storage)
         threshold = (storage.multipart_threshold_mb if storage else 64) * 1024 * 1024
-        return S3Store(bucket, client, transfer, threshold, storage.max_attempts if storage else 8), key
+        return S3Store(bucket, client, transfer, threshold, storage.max_attempts if storage else 8,
+                       storage.accept_unenforced_conditional_writes if storage else False), key
     raise ValueError(f"{uri!r}: the object store supports file:// and s3:// (hdfs:// is for Spark paths only)")

@@ -31,6 +31,7 @@ from pipeline_core import uris
 from pipeline_core.artifacts import ArtifactConflict, Manifest, publish_artifact, read_manifest
 from pipeline_core.config import Config, StorageSection, stable_hash
 from pipeline_core.layout import staging_dir
+from pipeline_core.store import require_conditional_writes
 from spark_jobs.staging import AttemptStaging, sweep_dead_attempts
 
 if TYPE_CHECKING:
@@ -346,6 +347,7 @@ def run_stage(spec: StageSpec, cfg: Config, section: Any, output_uri: str, confi
     if done is not None:
         log.info("%s is already committed with this config (counts %s); nothing to do", output_uri, done.counts)
         return done
+    require_conditional_writes(output_uri, cfg.storage)  # the commit is a create-if-absent: refuse a store without it now
     if before_compute is not None:
         before_compute()  # checks that must fail before any Spark work
     timer = StageTimer(spec.name)

@@ -187,7 +187,7 @@ def _compute(ctx: StageContext, input_uri: str, cfg: Config) -> StageOutput:
     e, spark, timer, staging, staging_uri = cfg.enrich, ctx.spark, ctx.timer, ctx.staging, ctx.staging_uri
     with timer.step("read+normalise") as info:
         raw, source = read_records(spark, input_uri, e.splits, e.input_format, download_dir=download_dir(staging),
-                                   storage=cfg.storage)
+                                   storage=cfg.storage, accept_corrupt_file_loss=e.accept_corrupt_file_loss)
         normalised = raw.select(
             F.col("uuid").alias("id"), "category", "reasoning", "metadata", "messages_json", "raw", SPLIT_COLUMN,
             normalise_udf(e)("uuid", "messages_json", "read_error").alias("n"),
@@ -235,6 +235,10 @@ def _compute(ctx: StageContext, input_uri: str, cfg: Config) -> StageOutput:
         info["sentences"] = n_sent + 2 * n_ok  # texts embedded: context sentences + question + answer
 
     counts = artifact_counts(n_in, staging)
+    lost = [v["expected"] - v["read"] for v in (source.get("corrupt_files") or {}).values() if v["expected"] is not None]
+    if source.get("corrupt_files"):  # accepted (read_records refuses otherwise): in = out + rejected still holds
+        counts["in"] += sum(lost)
+        counts["rejected"]["corrupt_input_file"] = sum(lost)
     extra = {
         "schema": "enriched",
         "columns": [*CONTRACT_COLUMNS, *EXTRA_COLUMNS],

@@ -14,10 +14,13 @@ import logging
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlsplit
 
 import pandas as pd  # module level: pandas_udf resolves its type hints in this module
 
 from pipeline_core import uris
+from pipeline_core.artifacts import safe_relpath
+from pipeline_core.config import LOSSY_SPARK_SETTINGS
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
@@ -146,8 +149,21 @@ def download_store_prefix(input_uri: str, splits: list[str], dest: Path, storage
     chosen = named or files
     if not chosen:
         raise FileNotFoundError(f"no .parquet/.jsonl/.json files under {input_uri}")
+    # a key is data, never a path: `raw//abs/x.parquet` or `raw/../x.jsonl` would write outside `dest`
+    # (issue 26.8a); every key is checked before any file is copied
+    root = dest.resolve()
+    targets = []
     for k in chosen:
-        store.get_file(k, dest / k[len(prefix):])
+        try:
+            rel = safe_relpath(k[len(prefix):], f"input key {k!r} under {input_uri}")
+        except ValueError as e:
+            raise ValueError(f"{e}; remove or rename that object") from None
+        target = dest / rel
+        if not target.resolve().is_relative_to(root):  # a symlink planted in the download directory
+            raise ValueError(f"input key {k!r} under {input_uri} resolves outside the download directory {dest}")
+        targets.append((k, target))
+    for k, target in targets:
+        store.get_file(k, target)
     log.info("copied %d input file(s) from %s to %s (this Spark has no s3a connector)", len(chosen), input_uri, dest)
     return uris.qualify(dest)
 
@@ -228,12 +244,60 @@ def decode_line(line: bytes | bytearray) -> str:
     return bytes(line).decode("utf-8", errors="replace")
 
 
+def _local_file(spark_path: str) -> Path | None:
+    parts = urlsplit(spark_path)
+    return Path(unquote(parts.path)) if parts.scheme in ("", "file") else None
+
+
+def own_row_count(spark_path: str, fmt: str) -> int | None:
+    """A file's rows by its own account: the Parquet footer, or the non-blank lines of a JSON Lines
+    file (the text reader's line ends); None when the file cannot say (unreadable, not local)."""
+    path = _local_file(spark_path)
+    if path is None:
+        return None
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_metadata(path).num_rows
+        return sum(1 for line in path.read_bytes().splitlines() if line.strip(b" "))
+    except (OSError, ValueError):
+        return None
+
+
+def rows_lost_per_file(spark: SparkSession, files: list[str], fmt: str) -> dict[str, dict[str, int | None]]:
+    """Files whose rows Spark read differ from their own count: what `spark.sql.files.ignoreCorruptFiles`
+    would drop without a word (issue 26.9b). One extra scan; run only when that setting is on."""
+    from pyspark.sql import functions as F
+
+    reader = spark.read.parquet(*files) if fmt == "parquet" else spark.read.text(files).where(F.trim("value") != "")
+    # a hash of every column, consumed: a bare count() (or the count of a never-null hash, which
+    # the optimizer turns into one) is answered from the footers without decoding a page
+    decoded = reader.select(F.col("_metadata.file_path").alias("f"), F.xxhash64(*reader.columns).alias("h"))
+    got = {str(_local_file(r[0]) or r[0]): r[1]
+           for r in decoded.groupBy("f").agg(F.count(F.lit(1)), F.max("h")).collect()}
+    out = {}
+    for f in files:
+        read = got.get(str(_local_file(f) or f), 0)
+        expected = own_row_count(f, fmt)
+        if expected is None or read != expected:
+            out[f] = {"expected": expected, "read": read}
+    return out
+
+
+class CorruptInputFiles(ValueError):
+    """Input files Spark skipped (in part) under spark.sql.files.ignoreCorruptFiles."""
+
+
 def read_records(spark: SparkSession, input_uri: str, splits: list[str], fmt: str = "auto",
                  download_dir: Path | None = None, storage: StorageSection | None = None,
-                 ) -> tuple[DataFrame, dict[str, Any]]:
+                 accept_corrupt_file_loss: bool = False) -> tuple[DataFrame, dict[str, Any]]:
     """(records with the RAW_SCHEMA columns and `split`, a description of the source for the manifest).
     Hub datasets, and s3:// prefixes when Spark has no s3a connector, are first copied to
-    `download_dir` (a staging directory)."""
+    `download_dir` (a staging directory). When the session skips corrupt files
+    (`spark.sql.files.ignoreCorruptFiles`, from the stage's spark_conf or the cluster's defaults),
+    the rows read per file are compared with each file's own count: a shortfall fails the read,
+    naming the files, unless `accept_corrupt_file_loss`; then `source["corrupt_files"]` records it."""
     source: dict[str, Any] = {"uri": input_uri}
     remote = input_uri.startswith("hf://") or (uris.scheme_of(input_uri) == "s3" and not spark_reads_s3(spark))
     if remote and download_dir is None:
@@ -246,6 +310,15 @@ def read_records(spark: SparkSession, input_uri: str, splits: list[str], fmt: st
         source["downloaded_to"] = input_uri
     fmt, files = find_input_files(spark, input_uri, splits, fmt)
     source.update(format=fmt, files=files, splits=splits)
+    if any(spark.conf.get(k, "false").strip().lower() == "true" for k in LOSSY_SPARK_SETTINGS):
+        lost = rows_lost_per_file(spark, files, fmt)
+        if lost and not accept_corrupt_file_loss:
+            raise CorruptInputFiles(
+                f"{'/'.join(LOSSY_SPARK_SETTINGS)}=true made Spark skip rows of {len(lost)} input file(s) (expected vs read): "
+                + "; ".join(f"{f}: {v['expected']} vs {v['read']}" for f, v in sorted(lost.items()))
+                + "; fix or remove those files, or set enrich.accept_corrupt_file_loss to commit without their rows "
+                  "(the manifest then records the loss)")
+        source.update(ignore_corrupt_files=True, corrupt_files=lost)
     log.info("reading %d %s file(s) from %s", len(files), fmt, input_uri)
     df = _read_parquet(spark, files) if fmt == "parquet" else _read_jsonl(spark, files)
     return df, source

@@ -12,7 +12,9 @@ sees them on the wire:
   them out, and the client then gets the error instead of the server's answer (a response lost
   after the write: the client's retry of a conditional PUT meets its own object);
 - `fail_matching=True`: every request that `match`es gets the error (a store that refuses, say,
-  every PUT).
+  every PUT);
+- `strip_headers`: these request headers never reach the server (a proxy or server that ignores
+  `If-None-Match`; moto does not check signatures, so the request still goes through).
 
 `match(method, path)` picks the requests the last two modes apply to (default: all).
 """
@@ -36,7 +38,7 @@ class FaultProxy:
                  methods: tuple[str, ...] | None = None, path_contains: str | None = None,
                  header: str | None = None, corrupt: bool = False, hold: threading.Event | None = None,
                  lose_responses: int = 0, fail_matching: bool = False,
-                 match: Callable[[str, str], bool] | None = None):
+                 match: Callable[[str, str], bool] | None = None, strip_headers: tuple[str, ...] = ()):
         self.upstream = urlsplit(upstream)
         self.remaining = fail_first
         self.lose_remaining = lose_responses
@@ -52,6 +54,7 @@ class FaultProxy:
         self.methods, self.path_contains, self.header = methods, path_contains, header
         self.corrupt, self.hold = corrupt, hold
         self.lock = threading.Lock()
+        self.strip = {h.lower() for h in strip_headers} | {"connection"}
         proxy = self
 
         def counts(handler) -> bool:
@@ -89,7 +92,7 @@ class FaultProxy:
                     self._send_error()
                     return
                 conn = http.client.HTTPConnection(proxy.upstream.hostname, proxy.upstream.port, timeout=60)
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in proxy.strip}
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()

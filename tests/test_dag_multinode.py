@@ -46,7 +46,8 @@ def test_two_nodes_with_a_shared_rendezvous_train_one_run(tmp_path):
                               "train.checkpoint_every": 1, "train.eval_batches": 1, "train.warmup_steps": 1}},
         dag_id="d", airflow_run_id="manual__x", run_date=None,
         env=deployment_env({"pipeline.store_uri": store, "pipeline.staging_uri": uris.qualify(tmp_path / "staging")}),
-        world_size=settings[0].world_size())
+        world_size=settings[0].world_size(), settings=settings[0].model_copy(
+            update={"allowed_base_models": (str(model_dir),)}))
     # the plan's train-ready URI is derived from the config; train on the artifact built above
     plan = plan.model_copy(update={"train_ready_uri": input_uri})
     cfg = load_plan_config(plan)

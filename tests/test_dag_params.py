@@ -47,8 +47,11 @@ def deployment_env(roots: dict) -> dict[str, str]:
     return {"MFT__" + k.upper().replace(".", "__"): v for k, v in roots.items()}
 
 
-def resolve(params: dict, roots: dict, run_id: str = "manual__2026-01-02T02:00:00+00:00", world_size: int = 2):
-    return resolve_plan(params, dag_id=DAG_ID, airflow_run_id=run_id, run_date=RUN_DATE, env=deployment_env(roots),
+def resolve(params: dict, roots: dict, run_id: str = "manual__2026-01-02T02:00:00+00:00", world_size: int = 2,
+            **deploy: str):
+    """`deploy`: MFT_DEPLOY__ settings (e.g. allowed_source_prefixes) next to the deployment's config."""
+    env = {**deployment_env(roots), **{f"MFT_DEPLOY__{k.upper()}": v for k, v in deploy.items()}}
+    return resolve_plan(params, dag_id=DAG_ID, airflow_run_id=run_id, run_date=RUN_DATE, env=env,
                         world_size=world_size)
 
 
@@ -76,7 +79,7 @@ def test_valid_conf_maps_onto_the_config(dag, roots, tmp_path):
             "base_model": "tiny", "run_id": "exp-1", "stages": ["enrich", "filter", "train"],
             "source_uri": uris.qualify(tmp_path / "raw"),
             "config_overrides": {"train.micro_batch_size": 2, "filter.val_fraction": 0.1}}
-    plan = resolve(form(dag, conf), roots)
+    plan = resolve(form(dag, conf), roots, allowed_source_prefixes=f"[{uris.qualify(tmp_path)}]")
     cfg = yaml.safe_load(open(plan.config_file))
     assert cfg["pipeline"]["dataset_version"] == "v7" and cfg["pipeline"]["run_id"] == "exp-1"
     assert cfg["filter"]["seq_len"] == cfg["train"]["seq_len"] == 64

@@ -8,7 +8,11 @@
    new model's val split (token-weighted: Σ loss / Σ target tokens).
 3. LATEST moves when new <= current + `release.promote_tolerance`, when there is no current
    model, or when `release.force_promote` is set; and then only forward (`pointers.advance`:
-   a run with an older order key never replaces a newer one).
+   a run with an older order key never replaces a newer one) and only from the record it was
+   compared with: when another publish moved LATEST between the evaluation and the move (a
+   backfill promoted meanwhile), the move is refused and the candidate is evaluated again against
+   the new LATEST (up to `REEVALUATIONS` times). Order keys more than
+   `release.max_order_key_ahead_s` ahead of now are refused.
 The decision, with both numbers, is returned; the caller (`plugins/mft_airflow/summary.py`)
 writes it into the run's `pipeline_summary.json` (`promotion`) and the publish task's XCom.
 """
@@ -20,6 +24,7 @@ import json
 import logging
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -27,12 +32,20 @@ from pipeline_core import uris
 from pipeline_core.artifacts import ArtifactError, fetch_artifact, require_manifest
 from pipeline_core.config import Config, PromoteMetric, ReleaseSection, StorageSection, load_config
 from pipeline_core.handoffs import BenchmarkResults
-from pipeline_core.pointers import advance, read_pointer
+from pipeline_core.pointers import (
+    PointerMoved,
+    PointerRecord,
+    advance,
+    check_order_key,
+    read_pointer,
+    sync_mirror,
+)
 
 log = logging.getLogger("training.promote")
 
 MODEL_FILES = "data/"
 VAL_FILES = "data/val/"
+REEVALUATIONS = 3  # lost compare-and-swap races before a publish gives up (LATEST is left as it is)
 
 
 @dataclass(frozen=True)
@@ -114,6 +127,7 @@ class Promotion:
     latest_uri: str | None = None  # where models/LATEST points after the decision
     promote_on: str = "val_loss"  # or "metrics": `compared` decided
     compared: tuple[MetricComparison, ...] = ()  # every benchmark metric compared (release.promote_on)
+    current_order_key: str | None = None  # the LATEST record compared with (the compare-and-swap's expected value)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -181,9 +195,15 @@ def evaluate(model_uri: str, val_uri: str, models_uri: str, order_key: str, rele
         current_uri=current.target if current else None, current_val_loss=cur_loss,
         tolerance=release.promote_tolerance, forced=release.force_promote, val_uri=val_uri, val_rows=cand.rows,
         val_target_tokens=cand.target_tokens, order_key=order_key,
-        latest_uri=current.target if current else None,
+        latest_uri=current.target if current else None, current_order_key=current.order_key if current else None,
         promote_on="val_loss" if not compared else "metrics", compared=compared,
     )
+
+
+def _compared(decision: Promotion) -> PointerRecord | None:
+    if decision.current_uri is None:
+        return None
+    return PointerRecord(target=decision.current_uri, manifest_sha256="", order_key=decision.current_order_key or "")
 
 
 def benchmark_scores(model_uri: str, current_uri: str | None, release: ReleaseSection,
@@ -215,13 +235,18 @@ def benchmark_scores(model_uri: str, current_uri: str | None, release: ReleaseSe
 
 
 def apply(decision: Promotion, models_uri: str, storage: StorageSection | None = None, *,
-          run_id: str | None = None) -> Promotion:
-    """Step 3: move LATEST forward if the decision says so; the result says where it points."""
+          run_id: str | None = None, release: ReleaseSection | None = None) -> Promotion:
+    """Step 3: move LATEST forward if the decision says so and LATEST still names the model the
+    decision was made against (else `PointerMoved`: evaluate again); the result says where it
+    points. Whatever the decision, the plain `models/LATEST` mirror is re-synced."""
     if not decision.promoted:
-        return decision
+        pointer = sync_mirror(models_uri, storage)  # a publisher killed before its mirror write is repaired here too
+        return replace(decision, latest_uri=pointer.target if pointer else None)
+    ahead = (release or ReleaseSection()).max_order_key_ahead_s
     moved = advance(models_uri, decision.candidate_uri, decision.order_key, storage, run_id=run_id,
                     extra={"val_uri": decision.val_uri, "val_loss": decision.candidate_val_loss,
-                           "previous": decision.current_uri})
+                           "previous": decision.current_uri},
+                    compared_with=_compared(decision), max_ahead_s=ahead)
     latest = moved.current.target if moved.current else decision.latest_uri
     if moved.moved:
         return replace(decision, latest_uri=latest)
@@ -229,9 +254,24 @@ def apply(decision: Promotion, models_uri: str, storage: StorageSection | None =
 
 
 def promote(model_uri: str, val_uri: str, models_uri: str, order_key: str, release: ReleaseSection,
-            storage: StorageSection | None = None, *, run_id: str | None = None) -> Promotion:
-    return apply(evaluate(model_uri, val_uri, models_uri, order_key, release, storage), models_uri, storage,
-                 run_id=run_id)
+            storage: StorageSection | None = None, *, run_id: str | None = None,
+            on_decision: Callable[[Promotion], None] | None = None) -> Promotion:
+    """Evaluate and apply; a lost race (LATEST moved in between) evaluates again against the new
+    LATEST. `on_decision` sees each decision before LATEST can move (the publish task stores the
+    run's summary there)."""
+    check_order_key(order_key, release.max_order_key_ahead_s)  # before any download or evaluation
+    for _ in range(REEVALUATIONS):
+        decision = evaluate(model_uri, val_uri, models_uri, order_key, release, storage)
+        if on_decision is not None:
+            on_decision(decision)
+        try:
+            return apply(decision, models_uri, storage, run_id=run_id, release=release)
+        except PointerMoved as e:
+            log.warning("%s; evaluating %s again against the new LATEST", e, model_uri)
+            moved = e
+    return replace(decision, promoted=False, latest_uri=moved.current.target if moved.current else None,
+                   reason=f"{decision.reason}; not moved: LATEST moved {REEVALUATIONS} times while this run was "
+                          f"evaluated ({moved}); publish again to compare with it")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,9 @@ deployment's config file is not silently overridden by form defaults. Content se
 not name can be set through `config_overrides` (`{"section.field": value}`), limited to
 `OVERRIDABLE`: a trigger may change what a run computes, never where it reads or writes, which
 credentials or endpoints it uses, or what code runs (store, staging, connections, endpoints, Spark
-conf, ds_config, model/tokenizer paths, launcher and image stay deployment configuration).
+conf, ds_config, model/tokenizer paths, launcher and image stay deployment configuration). The
+named params that choose a source or a model, or touch a release gate, are bounded by the
+deployment's policy in `plan.check_deployment_policy` (allowlists, a required approval, who may force).
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def param_specs() -> dict[str, dict[str, Any]]:
             pattern=COMPONENT_PATTERN, title="Dataset version",
         ),
         "source_uri": _nullable(
-            "string", "Raw Nemotron records: file:///…, s3://bucket/prefix or hf://datasets/<repo>. Empty: config.",
+            "string", "Raw Nemotron records: file:///…, s3://bucket/prefix or hf://datasets/<repo>, under the "
+            "deployment's allowed source prefixes. Empty: config.",
             pattern=r"^(file|s3|s3a|hdfs|hf)://[^\s?#]+$", title="Source URI",
         ),
         "run_id": _nullable(
@@ -67,7 +70,8 @@ def param_specs() -> dict[str, dict[str, Any]]:
             "a retry of the same Airflow run resumes the same training run.",
             pattern=COMPONENT_PATTERN, title="Run id",
         ),
-        "base_model": _nullable("string", "'tiny', a Hugging Face model directory or hub id. Empty: config.",
+        "base_model": _nullable("string", "'tiny', a Hugging Face model directory or hub id, among the deployment's "
+                                "allowed base models. Empty: config.",
                                 minLength=1, title="Base model"),
         "splits": _nullable(
             "array", "Nemotron splits to process (v1 or v2 names; each must have files in the source). "
@@ -84,12 +88,14 @@ def param_specs() -> dict[str, dict[str, Any]]:
         "steps": _nullable("integer", "Optimizer steps.", minimum=1, maximum=10_000_000),
         "learning_rate": _nullable("number", "Peak learning rate.", exclusiveMinimum=0, maximum=1),
         "require_approval": _nullable(
-            "boolean", "Wait for Approve/Reject (with the data report) before training. Empty: config (off).",
+            "boolean", "Wait for Approve/Reject (with the data report) before training. Empty: config (off). "
+            "Cannot turn off an approval the deployment requires.",
             title="Require approval"),
         "promote_tolerance": _nullable(
             "number", "models/LATEST moves if the new val loss <= current LATEST's + this. Empty: config (0).",
             minimum=0, maximum=10, title="Promotion tolerance"),
-        "force_promote": _nullable("boolean", "Publish to models/LATEST even if it evaluates worse.",
+        "force_promote": _nullable("boolean", "Publish to models/LATEST even if it evaluates worse (only users "
+                                   "the deployment lists in MFT_DEPLOY__FORCE_PROMOTE_USERS).",
                                    title="Force promotion"),
         "stages": {
             "default": list(STAGES), "type": "array", "items": {"type": "string", "enum": list(STAGES)},

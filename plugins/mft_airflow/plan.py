@@ -1,7 +1,8 @@
 """Resolving a run: Params + deployment config -> one validated config file and a `RunPlan`.
 
 `resolve_plan` is what the DAG's `resolve` task does: it applies the trigger policy (named params
-and `OVERRIDABLE` content settings only), loads the config (defaults < file < env < Params), fails
+and `OVERRIDABLE` content settings only; the deployment's policy wins over params, see
+`check_deployment_policy`), loads the config (defaults < file < env < Params), fails
 before any compute with a message naming the field, writes the resolved config file each stage
 command gets, and returns the typed `RunPlan` the other tasks read from XCom. Pure Python (no
 Airflow import), so it is tested directly.
@@ -9,8 +10,10 @@ Airflow import), so it is tested directly.
 
 from __future__ import annotations
 
+import json
+import os
 import re
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ from pipeline_core.artifacts import read_manifest
 from pipeline_core.config import Config, ConfigError, load_config
 from plugins.mft_airflow.params import OVERRIDABLE, STAGES, param_specs, to_overrides
 from plugins.mft_airflow.run_plan import RunPlan, resource_name
+from plugins.mft_airflow.settings import DeploySettings, load_settings
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -58,6 +62,84 @@ def check_trigger_policy(params: dict[str, Any]) -> None:
             f"{', '.join(sorted(OVERRIDABLE))}")
 
 
+def _allowed(value: str, allowed: tuple[str, ...]) -> bool:
+    """`value` is one of `allowed`, or below one of them by whole path components (`file:///data/raw`
+    allows `file:///data/raw/v2`, not `file:///data/raw-other`, nor anything with a `..` component)."""
+    if any(part in ("..", ".") for part in value.split("/")):
+        return False
+    return any(value == a or value.startswith(a if a.endswith("/") else a + "/") for a in allowed)
+
+
+def _base_model_config(base_model: str) -> dict[str, Any] | None:
+    """The base model's config.json fields when they can be read without a download: the embedded
+    tiny model and local directories (a hub id is checked by the trainer)."""
+    from training.tiny import TINY_CONFIG
+
+    if base_model == "tiny":
+        return {"model_type": "mistral", **TINY_CONFIG}
+    path = uris.to_local_path(base_model) if base_model.startswith("file://") else Path(base_model)
+    try:
+        return json.loads((path / "config.json").read_text()) if path.is_absolute() else None
+    except (OSError, ValueError):
+        return None  # not a readable local model: the trainer names the problem
+
+
+def check_cross_fields(cfg: Config, stages: list[str]) -> None:
+    """The rules between fields that later stages enforce, checked before any compute (issue 26.6):
+    the trainer's (sequence length of the data, the model's positions and layers) and the publish
+    task's (a val split to evaluate on). Each message names the fields to change."""
+    if "train" not in stages:
+        return
+    f, t = cfg.filter, cfg.train
+    errors = []
+    if t.seq_len != f.seq_len:
+        errors.append(f"train.seq_len={t.seq_len} != filter.seq_len={f.seq_len}: the trainer needs the rows packed to "
+                      "its own length (set both, e.g. with the seq_len param)")
+    if f.val_fraction == 0:
+        errors.append("filter.val_fraction=0: the publish task scores the model on the val split, so a run that "
+                      "trains needs val rows; set filter.val_fraction > 0 (e.g. 0.05)")
+    model = _base_model_config(t.base_model)
+    if model is not None:
+        where = f"train.base_model={t.base_model!r}"
+        if model.get("model_type") not in (None, "mistral"):
+            errors.append(f"{where} is a {model.get('model_type')!r} model; the pipeline trains Mistral models")
+        if model.get("tie_word_embeddings"):
+            errors.append(f"{where} ties its input and output embeddings, which the pipeline model does not support")
+        positions = model.get("max_position_embeddings")
+        if positions is not None and t.seq_len > positions:
+            errors.append(f"train.seq_len={t.seq_len} exceeds {where}'s max_position_embeddings={positions}")
+        layers = model.get("num_hidden_layers")
+        if layers is not None and t.pipeline_stages > layers + 3:  # + embedding, final norm, head (training/train.py)
+            errors.append(f"train.pipeline_stages={t.pipeline_stages} exceeds {where}'s {layers + 3} pipe layers")
+    if errors:
+        raise PlanError("invalid combination of settings:\n  " + "\n  ".join(errors))
+
+
+def check_deployment_policy(params: dict[str, Any], cfg: Config, deployed: Config, settings: DeploySettings,
+                            triggered_by: str | None, run_date: datetime | None, now: datetime) -> None:
+    """The deployment wins over a trigger (issue 26.5, 26.8b). `deployed` is the config without the
+    trigger's params: a gate it requires stays on, and what a trigger reads comes from its allowlists."""
+    if deployed.release.require_approval and not cfg.release.require_approval:
+        raise PlanError("require_approval: this deployment requires an approval before training "
+                        "(release.require_approval in its config); a trigger may turn the gate on, never off")
+    if params.get("force_promote") and not deployed.release.force_promote \
+            and triggered_by not in settings.force_promote_users:
+        raise PlanError(f"force_promote: user {triggered_by!r} may not force a promotion; only the users in the "
+                        "deployment's MFT_DEPLOY__FORCE_PROMOTE_USERS may (or set release.force_promote in its config)")
+    ahead = deployed.release.max_order_key_ahead_s
+    if run_date is not None and run_date > now + timedelta(seconds=ahead):
+        raise PlanError(f"logical_date: {run_date.isoformat()} is more than release.max_order_key_ahead_s={ahead:g} s "
+                        "ahead of now; it would order this run's model after every model published until then")
+    source = cfg.pipeline.source_uri
+    if source != deployed.pipeline.source_uri and not _allowed(source, settings.allowed_source_prefixes):
+        raise PlanError(f"source_uri: {source!r} is not under the deployment's allowed sources "
+                        f"{list(settings.allowed_source_prefixes)} (MFT_DEPLOY__ALLOWED_SOURCE_PREFIXES)")
+    model = cfg.train.base_model
+    if model != deployed.train.base_model and not _allowed(model, settings.allowed_base_models):
+        raise PlanError(f"base_model: {model!r} is not among the deployment's allowed base models "
+                        f"{list(settings.allowed_base_models)} (MFT_DEPLOY__ALLOWED_BASE_MODELS)")
+
+
 def resolve_plan(
     params: dict[str, Any],
     *,
@@ -67,6 +149,9 @@ def resolve_plan(
     config_file: str | None = None,
     env: dict[str, str] | None = None,
     world_size: int | None = None,
+    settings: DeploySettings | None = None,
+    triggered_by: str | None = None,
+    now: datetime | None = None,
 ) -> RunPlan:
     """Validate everything and write the resolved config; see the module docstring.
 
@@ -74,6 +159,8 @@ def resolve_plan(
     one, when it was triggered: it names the dataset version unless a param does. `world_size` is
     the deployment's training ranks (`DeploySettings.world_size`), so a global batch or a pipeline
     degree that does not divide is refused here; None (unknown) leaves that check to the trainer.
+    `settings` (default: read from `env`'s `MFT_DEPLOY__*`) holds the trigger allowlists;
+    `triggered_by` is the Airflow user who triggered the run (None: the scheduler).
     """
     check_trigger_policy(params)
     stages = list(params.get("stages") or STAGES)
@@ -90,12 +177,16 @@ def resolve_plan(
     version = overrides["pipeline.dataset_version"]
     if isinstance(version, str) and "pipeline.run_id" not in overrides:
         overrides["pipeline.run_id"] = f"{version}-{run_name}"[:128].rstrip("-.")
+    settings = settings or load_settings(os.environ if env is None else env)
     try:
         cfg = load_config(config_file, overrides=overrides, env=env)
+        deployed = load_config(config_file, env=env)
         if "train" in stages and world_size is not None:
             cfg.train.accumulation_steps(world_size)  # a global batch that does not divide: refused now
     except ConfigError as e:
         raise PlanError(str(e)) from None
+    check_cross_fields(cfg, stages)
+    check_deployment_policy(params, cfg, deployed, settings, triggered_by, run_date, now or datetime.now(UTC))
 
     staging = cfg.pipeline.staging_uri
     if not uris.is_local(staging):

@@ -16,9 +16,18 @@ from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from pipeline_core.config import PROJECT_ROOT
+from pipeline_core import uris
+from pipeline_core.config import LOSSY_SPARK_SETTINGS, PROJECT_ROOT
 
 ENV_PREFIX = "MFT_DEPLOY__"
 Launcher = Literal["local", "docker", "kubernetes"]
@@ -121,6 +130,32 @@ class DeploySettings(BaseModel):
         (), description="Extra worker environment variables the local launcher passes to torchrun (names)")
     credentials_file: str | None = Field(
         None, description="docker: host path of an AWS shared-credentials file (a Docker secret), mounted read-only")
+
+    # --- what a trigger may choose (issue 26.5, 26.8b; docs/orchestration.md "Trigger policy"). The
+    # deployment's own config values are always allowed; a trigger's other values must be listed here.
+    allowed_source_prefixes: tuple[str, ...] = Field(
+        default_factory=lambda: (uris.qualify(PROJECT_ROOT / "sample_data"),),
+        description="URI prefixes a trigger's source_uri may name (whole path components); default: the embedded sample")
+    allowed_base_models: tuple[str, ...] = Field(
+        ("tiny",), description="base_model values a trigger may name: exact ids, or prefixes ending in '/' "
+                               "(a hub organisation, a model directory); default: the embedded tiny model")
+    force_promote_users: tuple[str, ...] = Field(
+        (), description="Airflow user names whose triggers may set force_promote (the triggering user of the run); "
+                        "empty: nobody, a forced promotion is then a deployment setting (release.force_promote)")
+
+    @field_validator("spark_conf")
+    @classmethod
+    def _no_lossy_reads(cls, v: dict[str, str]) -> dict[str, str]:
+        lossy = [k for k in LOSSY_SPARK_SETTINGS if str(v.get(k, "false")).strip().lower() == "true"]
+        if lossy:
+            raise ValueError(f"{lossy}=true would drop unreadable input files silently; set it in enrich.spark_conf "
+                             "with enrich.accept_corrupt_file_loss, so the manifest records the rows lost per file")
+        return v
+
+    @field_validator("allowed_source_prefixes")
+    @classmethod
+    def _source_prefixes(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(p if p.startswith("hf://") else uris.require_uri(p) for p in v)
 
     @model_validator(mode="after")
     def _multi_node(self) -> DeploySettings:

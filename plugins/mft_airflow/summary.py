@@ -73,13 +73,12 @@ def _benchmarks(run_uri: str, storage: StorageSection | None) -> dict[str, Any] 
 def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
                   release: ReleaseSection | None = None) -> dict[str, Any]:
     """Verify, evaluate, write the summary, then move `models/LATEST` if the gate allows it."""
-    from training.promote import apply, evaluate
+    from training.promote import promote
 
     release = release or ReleaseSection()
     model = require_manifest(plan.model_uri, storage)
     if model.kind != "model":
         raise ArtifactError(f"{plan.model_uri} is a {model.kind!r} artifact, not a model")
-    decision = evaluate(plan.model_uri, plan.train_ready_uri, plan.models_uri, order_key, release, storage)
     summary = {
         "dataset_version": plan.dataset_version,
         "run_id": plan.run_id,
@@ -91,13 +90,16 @@ def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
         "model": {"uri": plan.model_uri, "files": len(model.files),
                   "bytes": sum(f["size"] for f in model.files), "manifest_sha256": model.sha256},
         "eval": _benchmarks(plan.run_uri, storage),
-        "promotion": decision.to_dict(),
     }
-    _write_summary(plan.run_uri, summary, storage)  # before LATEST can name this run
-    final = apply(decision, plan.models_uri, storage, run_id=plan.run_id)
-    if final != decision:
-        summary["promotion"] = final.to_dict()
+
+    def store_decision(decision: Any) -> None:  # before LATEST can name this run (again after a lost race)
+        summary["promotion"] = decision.to_dict()
         _write_summary(plan.run_uri, summary, storage)
+
+    final = promote(plan.model_uri, plan.train_ready_uri, plan.models_uri, order_key, release, storage,
+                    run_id=plan.run_id, on_decision=store_decision)
+    if final.to_dict() != summary["promotion"]:
+        store_decision(final)
     summary["latest"] = uris.join(plan.models_uri, "LATEST")
     return summary
 

@@ -34,7 +34,8 @@ def resolve(**context: Any) -> RunPlan:
         plan = resolve_plan(
             dict(context["params"]), dag_id=dag_run.dag_id, airflow_run_id=dag_run.run_id,
             run_date=context.get("logical_date") or dag_run.run_after, config_file=settings.config_file,
-            world_size=settings.world_size(),
+            world_size=settings.world_size(), settings=settings,
+            triggered_by=getattr(dag_run, "triggering_user_name", None),
         )
     except (PlanError, ValueError) as e:
         raise AirflowFailException(str(e)) from None  # a bad parameter is not transient
