@@ -85,6 +85,16 @@ class TrainReadyInfo(_Handoff):
     def from_manifest(cls, manifest: Manifest) -> TrainReadyInfo:
         return cls.model_validate(manifest.extra or {})
 
+    @classmethod
+    def of(cls, manifest: Manifest) -> TrainReadyInfo | None:
+        """The typed hand-off; None for manifests written before the filter filled it."""
+        from pydantic import ValidationError
+
+        try:
+            return cls.from_manifest(manifest)
+        except ValidationError:
+            return None
+
 
 class MetricScore(_Handoff):
     value: float | None

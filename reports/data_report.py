@@ -31,6 +31,7 @@ from pipeline_core.artifacts import (
     require_manifest,
 )
 from pipeline_core.config import StorageSection, load_config
+from pipeline_core.handoffs import TrainReadyInfo
 from reports import charts
 from reports.facts import (
     NEAR_DUPLICATE,
@@ -48,7 +49,6 @@ from reports.facts import (
     richest_document,
     split_of_id,
     split_tokens,
-    train_ready_info,
 )
 
 log = logging.getLogger("reports.data_report")
@@ -135,7 +135,7 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
     pairs.sort(key=lambda p: -(p.score or 0.0))
 
     # packed documents: length histogram and the example with its loss mask
-    info = train_ready_info(tr)
+    info = TrainReadyInfo.of(tr)
     seq_len = info.seq_len if info else int(tr.extra.get("seq_len", 0))
     tokens, targets, docs = split_tokens(tr, info)
     lengths, sampled, example, example_split = {}, {}, [], None

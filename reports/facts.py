@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
-from pydantic import ValidationError
 
 from pipeline_core.artifacts import Manifest
 from pipeline_core.handoffs import IGNORE_INDEX, DecontamInfo, TrainReadyInfo
@@ -99,14 +98,6 @@ class ReportFacts:
                 "decontamination": self.decontamination.model_dump(mode="json") if self.decontamination else None,
                 "near_dup_guard": self.near_dup_guard,
                 "guard_saved_pairs_by_split": {g.split: g.saved_pairs for g in self.guard_by_split}}
-
-
-def train_ready_info(manifest: Manifest) -> TrainReadyInfo | None:
-    """The typed hand-off; None for manifests written before the filter filled it."""
-    try:
-        return TrainReadyInfo.from_manifest(manifest)
-    except ValidationError:
-        return None
 
 
 def split_tokens(manifest: Manifest, info: TrainReadyInfo | None) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:

@@ -11,7 +11,7 @@ from pipeline_core import uris
 from pipeline_core.artifacts import read_manifest, verify_artifact
 from pipeline_core.handoffs import TrainReadyInfo
 from reports.data_report import KIND, PAGE, build, report_page_uri, report_uri
-from reports.facts import mask_spans, near_duplicate_of, train_ready_info
+from reports.facts import mask_spans, near_duplicate_of
 from tests.browser import browser_page, keep_screenshot
 from tests.report_helpers import build_sample
 
@@ -76,7 +76,7 @@ def test_page_renders_in_chromium_and_matches_the_manifests(sample, tmp_path):
     assert int(metrics["kept"]) == tr.counts["out"]
     for split, n in tr.extra["tokens"].items():
         assert int(metrics[f"tokens-{split}"]) == n
-    info = train_ready_info(tr)  # the typed hand-off once the filter writes it, else the older extra
+    info = TrainReadyInfo.of(tr)  # the typed hand-off once the filter writes it, else the older extra
     val_docs = info.documents["val"] if info and info.documents else tr.extra["splits"]["val"]["documents"]
     assert int(metrics["val_documents"]) == val_docs
     assert float(metrics["packing_efficiency"]) == pytest.approx(tr.extra["packing_efficiency"], abs=1e-4)
@@ -131,5 +131,5 @@ def test_near_duplicate_partner_is_read_from_typed_fields_or_the_detail():
 def test_sample_manifest_still_reads_without_the_typed_handoff(sample):
     art, _ = sample
     tr = read_manifest(art.train_ready_uri)
-    info = train_ready_info(tr)
+    info = TrainReadyInfo.of(tr)
     assert info is None or isinstance(info, TrainReadyInfo)

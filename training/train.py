@@ -178,7 +178,7 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
         raise TrainConfigError(f"--input {input_uri}: is a {manifest.kind!r} artifact, expected 'train-ready'")
     if not any(f["path"].startswith("data/train/") for f in manifest.files):
         raise TrainConfigError(f"--input {input_uri}: artifact has no data/train/*.parquet files")
-    info = train_ready_info(manifest)
+    info = TrainReadyInfo.of(manifest)
     if info is not None:
         art_seq = info.seq_len
         check_tokenizer(info.tokenizer, base_config, t.base_model)
@@ -239,15 +239,6 @@ def _does_not_fit(worst: StageMemory, device_bytes: int, what: str, longest: int
             f"{USABLE_FRACTION:.0%} of {device_bytes / GIB:.0f} GiB. Lower train.micro_batch_size or train.seq_len "
             f"(with full recomputation this stage fits train.seq_len up to ~{longest} at this micro-batch size), set "
             "train.recompute to full (or auto), or raise train.pipeline_stages to spread the layers")
-
-
-def train_ready_info(manifest) -> TrainReadyInfo | None:
-    from pydantic import ValidationError
-
-    try:
-        return TrainReadyInfo.from_manifest(manifest)
-    except ValidationError:
-        return None
 
 
 # ----------------------------------------------------------------------------- helpers

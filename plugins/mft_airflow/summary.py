@@ -58,8 +58,8 @@ def _decontamination(train_ready_uri: str, storage: StorageSection | None) -> di
     from pipeline_core.handoffs import TrainReadyInfo
 
     m = read_manifest(train_ready_uri, storage)
-    info = TrainReadyInfo.from_manifest(m).decontamination if m is not None else None
-    return None if info is None else info.model_dump(mode="json")
+    info = TrainReadyInfo.of(m) if m is not None else None
+    return None if info is None or info.decontamination is None else info.decontamination.model_dump(mode="json")
 
 
 def _benchmarks(run_uri: str, storage: StorageSection | None) -> dict[str, Any] | None:
