@@ -48,6 +48,7 @@ class TrainReadyInfo(_Handoff):
     packing_efficiency: float | None = None
     train_on: str | None = None
     prompt_context: str | None = None
+    objective: str = Field("sft", description="sft: packed documents; dpo: one pair per row (chosen, rejected)")
 
     def to_extra(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
