@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pandas as pd  # module level: pandas_udf resolves its type hints in this module
 
 from spark_jobs.packing import TOO_LONG, pack_rows
 
@@ -186,7 +187,6 @@ PAIR_COLUMNS = ("rejected", "preference_strength")
 def with_preference_columns(raw_df):
     """Raw records (readers.RAW_SCHEMA) with `uuid`, `messages_json` and `read_error` taken from each
     preference record's JSON (`raw`), plus `rejected` and `preference_strength`."""
-    import pandas as pd
     from pyspark.sql import functions as F
     from pyspark.sql.functions import pandas_udf
 
@@ -204,10 +204,6 @@ def with_preference_columns(raw_df):
 
 def with_rejected_similarity(df, e, threads: int):
     """+ `sim_question_rejected`: cosine of the question (prompt) and the rejected answer's embedding."""
-    from collections.abc import Iterator
-
-    import numpy as np
-    import pandas as pd
     from pyspark.sql.functions import pandas_udf
 
     from spark_jobs.embeddings import get_encoder, spec_for
