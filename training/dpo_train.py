@@ -167,10 +167,11 @@ def ensure_reference(trainer, shard_sets: dict[str, Any], resumed: bool) -> dict
     from training.train import broadcast, gather_value
 
     plan, role, engine = trainer.plan, trainer.role, trainer.engine
-    uri = committed = None
+    uri = committed = model_sha = None
     if role.is_rank0:
         data_manifest = read_manifest(plan.input_uri, trainer.storage)
-        uri = reference_uri(trainer.cfg.pipeline.store_uri, model_hash(trainer.model_dir), data_manifest.sha256)
+        model_sha = model_hash(trainer.model_dir)
+        uri = reference_uri(trainer.cfg.pipeline.store_uri, model_sha, data_manifest.sha256)
         committed = read_manifest(uri, trainer.storage) is not None
     uri, committed = broadcast((uri, committed), group=trainer.io_group)
     local = plan.staging / "reference"
@@ -201,10 +202,11 @@ def ensure_reference(trainer, shard_sets: dict[str, Any], resumed: bool) -> dict
     if role.is_rank0:
         for split, (values, counts) in results.items():
             _write_table(local / "data" / f"{split}.parquet", shard_sets[split], values, counts)
-        trainer.lease.check()
+        if trainer.lease is not None:  # a trainer that lost its run's lease commits nothing
+            trainer.lease.check()
         publish_artifact(local, uri, kind=REFERENCE_KIND, inputs=[plan.input_uri],
                          counts={"rows": {s: int(v[0].shape[0]) for s, v in results.items()}},
-                         extra={"model_sha256": model_hash(trainer.model_dir), "seq_len": trainer.t.seq_len,
+                         extra={"model_sha256": model_sha, "seq_len": trainer.t.seq_len,
                                 "columns": {"chosen": "summed log-prob of the chosen side's trained tokens",
                                             "rejected": "the same, rejected side"}},
                          storage=trainer.storage)
