@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("training.dpo")
 
 SPLITS = ("train", "val")
+# what the report manifest carries for the promotion gate (training/dpo_promote.py)
+REPORT_KEYS = ("eval_reward_accuracy", "eval_reward_margin", "eval_dpo_loss", "reference_uri")
 REFERENCE_KIND = "reference"
 
 

@@ -44,8 +44,8 @@ from pipeline_core import layout, uris  # noqa: E402
 from pipeline_core.artifacts import fetch_artifact, publish_artifact, read_manifest  # noqa: E402
 from pipeline_core.config import PROJECT_ROOT, Config, ConfigError, load_config  # noqa: E402
 from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo  # noqa: E402
+from training import base_model, dpo_train  # noqa: E402
 from training import checkpoints as ckpt  # noqa: E402
-from training import dpo_train  # noqa: E402
 from training.data import COLUMNS, MicroBatches, ShardSet, columns_for, split_files  # noqa: E402
 from training.flops import ModelShape, flops_per_token  # noqa: E402
 from training.kernels import (  # noqa: E402
@@ -71,6 +71,7 @@ from training.runtime import Settings, resolve_settings  # noqa: E402
 log = logging.getLogger("training.train")
 
 TINY_CACHE = PROJECT_ROOT / ".cache" / "models"
+STORE_MODELS = PROJECT_ROOT / ".cache" / "store-models"  # train.base_model given as a committed model artifact
 
 
 class TrainConfigError(ValueError):
@@ -148,7 +149,8 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
     if t.fp8 != "off" and on_gpu and torch.cuda.get_device_capability() < (8, 9):
         raise TrainConfigError(f"train.fp8={t.fp8!r} needs a GPU with float8 matrix units (compute capability 8.9+, "
                                f"e.g. L4, H100); this one is {torch.cuda.get_device_capability()}: set train.fp8 off")
-    base_config = base_model_config(t.base_model)
+    stored = base_model.fetch(t.base_model, cfg.storage, STORE_MODELS, config_only=True)  # a model artifact URI
+    base_config = base_model_config(str(stored) if stored else t.base_model)
     try:
         register_attention(settings.attention_backend)
         hf_config = prepare_hf_config(base_config, settings.attention_backend, t.seq_len)
@@ -459,7 +461,9 @@ class Trainer:
         plan, base = self.plan, self.t.base_model
 
         def get_model() -> Path:
-            return ensure_tiny_model(TINY_CACHE) if base == "tiny" else resolve_model_dir(base)
+            if base == "tiny":
+                return ensure_tiny_model(TINY_CACHE)
+            return base_model.fetch(base, self.storage, STORE_MODELS) or resolve_model_dir(base)
 
         def get_data() -> None:
             # rank 0 holds the lease: earlier attempts are dead; push what they saved, drop the rest
@@ -684,7 +688,8 @@ class Trainer:
                          storage=self.storage)
         publish_artifact(self.report_dir.parent, layout.report_uri(plan.run_uri), kind="report", config=cfg_json,
                          inputs=[plan.input_uri], counts={}, extra={k: summary.get(k) for k in
-                         ("eval_loss", "eval_perplexity", "final_train_loss")}, storage=self.storage)
+                         ("eval_loss", "eval_perplexity", "final_train_loss", *dpo_train.REPORT_KEYS * self.dpo)},
+                         storage=self.storage)
         log.info("run complete: %s", json.dumps({k: summary.get(k) for k in
                  ("final_train_loss", "eval_loss", "eval_perplexity", "mean_step_time_s", "skipped_steps")}))
 

@@ -38,6 +38,8 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "require_approval": ("release.require_approval",),
     "promote_tolerance": ("release.promote_tolerance",),
     "force_promote": ("release.force_promote",),
+    # preference optimisation (docs/dpo.md): one objective for every stage
+    "objective": ("enrich.objective", "filter.objective", "train.objective"),
 }
 
 # `config_overrides` keys a trigger may set: what a run computes (thresholds, sizes, steps, rates,
@@ -55,6 +57,7 @@ OVERRIDABLE: frozenset[str] = frozenset({
                              "gradient_accumulation_steps", "global_batch_size", "steps", "learning_rate",
                              "warmup_steps", "checkpoint_every", "keep_last", "seed", "precision",
                              "activation_checkpoint_interval", "eval_batches")),
+    "filter.min_preference_margin", "train.dpo",
 })
 
 
@@ -79,8 +82,12 @@ def param_specs() -> dict[str, dict[str, Any]]:
             "a retry of the same Airflow run resumes the same training run.",
             pattern=COMPONENT_PATTERN, title="Run id",
         ),
-        "base_model": _nullable("string", "'tiny', a Hugging Face model directory or hub id. Empty: config.",
+        "base_model": _nullable("string", "'tiny', a Hugging Face model directory or hub id, or 'latest': the "
+                                "model models/LATEST points to (e.g. DPO from last night's SFT model). Empty: config.",
                                 minLength=1, title="Base model"),
+        "objective": {"default": None, "type": ["null", "string"], "enum": [None, "sft", "dpo"], "title": "Objective",
+                      "description": "sft: supervised fine-tuning on conversations; dpo: preference pairs "
+                                     "(docs/dpo.md). Empty: config (sft)."},
         "splits": _nullable(
             "array", "Nemotron splits to process (v1 or v2 names; each must have files in the source). "
             "Empty: config.",

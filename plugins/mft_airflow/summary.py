@@ -24,7 +24,7 @@ from pipeline_core.artifacts import (
     read_manifest,
     require_manifest,
 )
-from pipeline_core.config import ReleaseSection, StorageSection, load_config
+from pipeline_core.config import DPOSettings, ReleaseSection, StorageSection, load_config
 from pipeline_core.pointers import read_pointer
 from pipeline_core.store import open_store
 from plugins.mft_airflow.run_plan import RunPlan
@@ -55,15 +55,22 @@ def _stage(uri: str, storage: StorageSection | None) -> dict[str, Any]:
 
 
 def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
-                  release: ReleaseSection | None = None) -> dict[str, Any]:
-    """Verify, evaluate, write the summary, then move `models/LATEST` if the gate allows it."""
-    from training.promote import apply, evaluate
-
+                  release: ReleaseSection | None = None, dpo: DPOSettings | None = None) -> dict[str, Any]:
+    """Verify, evaluate, write the summary, then move `models/LATEST` (DPO: `models/dpo/LATEST`) if the
+    gate allows it."""
     release = release or ReleaseSection()
     model = require_manifest(plan.model_uri, storage)
     if model.kind != "model":
         raise ArtifactError(f"{plan.model_uri} is a {model.kind!r} artifact, not a model")
-    decision = evaluate(plan.model_uri, plan.train_ready_uri, plan.models_uri, order_key, release, storage)
+    if plan.objective == "dpo":  # gated on the run's val reward accuracy and margin (training/dpo_promote.py)
+        from training.dpo_promote import apply, evaluate
+
+        decision = evaluate(plan.model_uri, plan.run_uri, plan.train_ready_uri, plan.models_uri, order_key, release,
+                            dpo or DPOSettings(), storage)
+    else:
+        from training.promote import apply, evaluate
+
+        decision = evaluate(plan.model_uri, plan.train_ready_uri, plan.models_uri, order_key, release, storage)
     summary = {
         "dataset_version": plan.dataset_version,
         "run_id": plan.run_id,
