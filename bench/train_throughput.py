@@ -608,7 +608,9 @@ def setup_trainer(args, device: Device):
 
 
 def reference_pass(trainer, device: Device) -> dict:
-    """objective dpo: the trainer's own reference pass (forward only, every train/val row), timed."""
+    """objective dpo: the trainer's own reference pass (forward only, every train/val row; the first
+    one, which also hashes the model and commits the artifact), then the same forward pass over the
+    train rows again, warm, timed alone (what a long run's pass costs per token)."""
     from training import dpo_train
     from training.data import COLUMNS, ShardSet, split_files
 
@@ -622,8 +624,15 @@ def reference_pass(trainer, device: Device) -> dict:
     device.sync()
     elapsed = time.perf_counter() - t0
     ref = trainer.reference_summary  # the forward pass alone (hashing the model and committing excluded)
+    torch.distributed.barrier()
+    t1 = time.perf_counter()
+    dpo_train._collect(trainer.engine, trainer.role, trainer.loss, splits["train"], t)
+    device.sync()
+    warm = time.perf_counter() - t1
     return {"rows": rows, "time_s": ref.get("reference_time_s"), "tokens_per_s": ref.get("reference_tokens_per_s"),
-            "with_hash_and_commit_s": elapsed, "reused": ref.get("reference_reused")}
+            "with_hash_and_commit_s": elapsed, "reused": ref.get("reference_reused"),
+            "warm_rows": splits["train"].num_rows, "warm_time_s": warm,
+            "warm_tokens_per_s": splits["train"].num_rows * t.seq_len / warm}
 
 
 def profile_step(step, device: Device, out: Path) -> None:
