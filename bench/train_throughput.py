@@ -114,7 +114,9 @@ def make_micro_batches(*, n: int, micro_batch: int, seq_len: int, vocab: int, do
         pos = torch.empty_like(ids)
         labels = ids.clone()
         for row in range(micro_batch):
-            lengths = doc_lengths(seq_len, gen, lo, hi) if docs == "packed" else [seq_len]
+            lengths = (doc_lengths(seq_len, gen, lo, hi) if docs == "packed"
+                       else [seq_len // 2, seq_len - seq_len // 2] if docs == "pairs"  # one DPO pair per row
+                       else [seq_len])
             start = 0
             for n_tok in lengths:
                 pos[row, start:start + n_tok] = torch.arange(n_tok)
@@ -424,7 +426,8 @@ def setup_pipeline(args, device: Device):
     return step, tokens_per_step, cfg, {**ds_config, "extra": extra}, timer
 
 
-def write_train_ready(root: Path, *, seq_len: int, rows: int, vocab: int, docs: str, seed: int) -> str:
+def write_train_ready(root: Path, *, seq_len: int, rows: int, vocab: int, docs: str, seed: int,
+                      objective: str = "sft") -> str:
     """A committed train-ready artifact of random tokens (``docs``: one causal document per row,
     or packed documents), published like the filter stage does, for the trainer's own loader."""
     from pipeline_core import uris
@@ -433,7 +436,7 @@ def write_train_ready(root: Path, *, seq_len: int, rows: int, vocab: int, docs: 
     from tests.training_helpers import write_rows
 
     store = uris.qualify(root / "store")
-    uri = uris.join(store, "datasets", "bench", "train", f"{docs}-{seq_len}-{rows}-{vocab}")
+    uri = uris.join(store, "datasets", "bench", "train", f"{docs}-{seq_len}-{rows}-{vocab}-{objective}")
     if read_manifest(uri) is not None:
         return uri
     batches = make_micro_batches(n=rows, micro_batch=1, seq_len=seq_len, vocab=vocab, docs=docs, seed=seed)
@@ -442,7 +445,8 @@ def write_train_ready(root: Path, *, seq_len: int, rows: int, vocab: int, docs: 
     local = root / "ready" / f"{docs}-{seq_len}"
     write_rows(local / "data" / "train" / "part-00000.parquet", table)
     write_rows(local / "data" / "val" / "part-00000.parquet", table[:2])
-    info = TrainReadyInfo(seq_len=seq_len, tokenizer=TokenizerSpec(name="mistral-v1", vocab_size=vocab))
+    info = TrainReadyInfo(seq_len=seq_len, tokenizer=TokenizerSpec(name="mistral-v1", vocab_size=vocab),
+                          objective=objective)
     publish_artifact(local, uri, kind="train-ready", counts={"in": rows, "out": rows}, extra=info.to_extra())
     return uri
 
@@ -499,7 +503,7 @@ def setup_trainer(args, device: Device):
         if args.data:
             return publish_ready_dir(work, Path(args.data))
         return write_train_ready(work, seq_len=args.seq_len, rows=rows, vocab=base.vocab_size, docs=args.docs,
-                                 seed=args.seed)
+                                 seed=args.seed, objective=args.objective)
 
     if rank == 0:
         save_random_model(base, model_dir, device)
@@ -521,6 +525,7 @@ def setup_trainer(args, device: Device):
         "train.causal_rows_sdpa": bool(args.causal_rows_sdpa), "train.fused_grad_accumulation": bool(args.fused_accum),
         "train.fused_wgrad_accumulation": bool(args.fused_wgrad), "train.fp8": args.fp8,
         "train.recompute": args.recompute, "train.recompute_every": args.recompute_every,
+        "enrich.objective": args.objective, "filter.objective": args.objective, "train.objective": args.objective,
     })
     plan = train.make_plan(cfg, input_uri, uris.join(cfg.pipeline.store_uri, "runs", f"bench-{args.label or 'run'}"),  # one run per row: rows never share checkpoints
                            world, device.cuda)
@@ -529,6 +534,7 @@ def setup_trainer(args, device: Device):
     if args.checkpoint:
         trainer.resume(train.RunState(t0=time.time()))  # a fresh run: sets up metrics + uploader as fit needs
     engine = trainer.engine
+    reference = reference_pass(trainer, device) if args.objective == "dpo" else None
     batches = trainer._train_batches(0)
     timer = InstructionTimer(engine, device)
 
@@ -592,6 +598,7 @@ def setup_trainer(args, device: Device):
 
     tokens_per_step = args.micro_batch * args.grad_accum * args.seq_len * dp
     extra = {
+        "reference_pass": reference,
         "stage": engine.stage_id, "analytic_bubble": analytic_bubble(args.stages, args.grad_accum),
         "layers_on_stage": sum(1 for m in engine.module.modules() if type(m).__name__ == "DecoderLayerPipe"),
         "params_on_stage": sum(p.numel() for p in engine.module.parameters()),
@@ -602,6 +609,34 @@ def setup_trainer(args, device: Device):
                      **dataclasses.asdict(trainer.fast_paths)},
     }
     return step, tokens_per_step, plan.hf_config, {**plan.ds_config, "extra": extra}, timer
+
+
+def reference_pass(trainer, device: Device) -> dict:
+    """objective dpo: the trainer's own reference pass (forward only, every train/val row; the first
+    one, which also hashes the model and commits the artifact), then the same forward pass over the
+    train rows again, warm, timed alone (what a long run's pass costs per token)."""
+    from training import dpo_train
+    from training.data import COLUMNS, ShardSet, split_files
+
+    t = trainer.t
+    splits = {s: ShardSet(f, t.seq_len, COLUMNS) for s in ("train", "val")
+              if (f := split_files(trainer.plan.staging / "input", s))}
+    rows = sum(sh.num_rows for sh in splits.values())
+    device.sync()
+    t0 = time.perf_counter()
+    trainer.reference = dpo_train.ensure_reference(trainer, splits, resumed=False)
+    device.sync()
+    elapsed = time.perf_counter() - t0
+    ref = trainer.reference_summary  # the forward pass alone (hashing the model and committing excluded)
+    torch.distributed.barrier()
+    t1 = time.perf_counter()
+    dpo_train._collect(trainer.engine, trainer.role, trainer.loss, splits["train"], t)
+    device.sync()
+    warm = time.perf_counter() - t1
+    return {"rows": rows, "time_s": ref.get("reference_time_s"), "tokens_per_s": ref.get("reference_tokens_per_s"),
+            "with_hash_and_commit_s": elapsed, "reused": ref.get("reference_reused"),
+            "warm_rows": splits["train"].num_rows, "warm_time_s": warm,
+            "warm_tokens_per_s": splits["train"].num_rows * t.seq_len / warm}
 
 
 def profile_step(step, device: Device, out: Path) -> None:
@@ -642,7 +677,9 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (pipeline: m)")
-    p.add_argument("--docs", choices=("packed", "causal"), default="packed")
+    p.add_argument("--docs", choices=("packed", "causal", "pairs"), default="packed",
+                   help="pairs: two documents per row (a DPO pair's chosen and rejected sides)")
+    p.add_argument("--objective", choices=("sft", "dpo"), default="sft", help="trainer: train.objective")
     p.add_argument("--stages", type=int, default=2)
     p.add_argument("--partition", default="type:DecoderLayerPipe")
     p.add_argument("--attention", default="torch_varlen", help="pipeline attention backend")

@@ -39,6 +39,9 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names each offending field."""
 
 
+Objective = Literal["sft", "dpo"]
+
+
 class Role(StrEnum):
     """What a setting is, declared once on each field (`content(...)` / `execution(...)`); every
     classification elsewhere (artifact hashes, the resume contract, the trigger allowlist, the config
@@ -197,6 +200,10 @@ class EnrichSection(SparkStageSection):
 
     splits: list[str] = content(default_factory=lambda: list(NEMOTRON_SPLITS), trigger=True)
     input_format: Literal["auto", "parquet", "jsonl"] = content("auto", trigger=True)
+    # --- preference optimisation (docs/dpo.md): the same value in enrich, filter and train
+    objective: Objective = content(
+        "sft", description="sft: Nemotron conversations; dpo: preference records ({prompt|messages, chosen, "
+        "rejected} or HelpSteer3's context/response1/response2/overall_preference)")
     reasoning: Literal["separate", "drop", "inline"] = content(
         "separate", description="<think> trace: kept apart in reasoning_trace, dropped, or left in the answer", trigger=True
     )
@@ -343,6 +350,13 @@ class FilterSection(SparkStageSection):
     relevant_top_k: int = content(5, ge=1, le=1000, description="prompt_context=relevant: units kept per reduced turn", trigger=True)
     val_max_documents: int = content(20_000, ge=1, description="Cap on validation documents (the rest of val is dropped, counted)", trigger=True)
     seed: int = content(1234, description="Seed of the train/val split hash", trigger=True)
+    # --- preference optimisation (docs/dpo.md)
+    objective: Objective = content(
+        "sft", description="sft: pack conversations; dpo: one preference pair per row (chosen then rejected, each "
+        "its own document, loss on each side's final assistant turn)")
+    min_preference_margin: int = content(
+        1, ge=1, le=3, description="dpo, HelpSteer3 records: drop pairs with |overall_preference| below this "
+        "(ties, 0, are always dropped as preference_tie)", trigger=True)
     pack_buffer_docs: int = content(20_000, ge=1, le=10_000_000, description="Documents packed together (best-fit decreasing)", trigger=True)
     shard_tokens: int = content(1 << 25, ge=1024, description="Target tokens per output parquet file", trigger=True)
     render_sample_documents: int = content(
@@ -373,6 +387,20 @@ class FilterSection(SparkStageSection):
         if self.decontam_min_tokens > self.decontam_ngram:
             raise ValueError(f"decontam_min_tokens={self.decontam_min_tokens} > decontam_ngram={self.decontam_ngram}")
         return self
+
+
+class DPOSettings(BaseModel):
+    """train.dpo: the preference loss (training/dpo_loss.py; TRL's DPOTrainer definitions)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    beta: float = Field(0.1, gt=0, le=100.0, description="KL strength: reward = beta x (policy - reference) log-prob")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="sigmoid loss: assumed share of flipped labels")
+    loss_type: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid", description="sigmoid: -log sigmoid(beta x margin) (DPO); ipo: (margin/tokens - 1/(2 beta))^2")
+    min_val_reward_accuracy: float = Field(
+        0.0, ge=0.0, le=1.0, description="promotion gate: val reward accuracy must be at least this (and no worse "
+        "than the promoted DPO model's)")
 
 
 class TrainSection(Section):
@@ -481,6 +509,10 @@ class TrainSection(Section):
     resume_across_changes: bool = execution(
         False, description="Resume a checkpoint made with other train content settings or another input (deliberately)"
     )
+    # --- preference optimisation (docs/dpo.md)
+    objective: Objective = content("sft", description="sft: token-mean cross-entropy; dpo: preference pairs against "
+                                 "the frozen reference model's log-probabilities (computed once, stored)")
+    dpo: DPOSettings = content(default_factory=lambda: DPOSettings(), trigger=True)
 
     def accumulation_steps(self, world_size: int) -> int:
         """Micro-batches per optimizer step on `world_size` ranks (raises `ConfigError` naming the fields)."""
@@ -515,6 +547,13 @@ class TrainSection(Section):
             raise ValueError(f"train.activation_checkpoint_interval={self.activation_checkpoint_interval} and "
                              f"train.recompute={self.recompute!r} both checkpoint the decoder layers; set "
                              "activation_checkpoint_interval to 0 (or recompute to none)")
+        return self
+
+    @model_validator(mode="after")
+    def _dpo_has_no_logits(self) -> TrainSection:
+        if self.objective == "dpo" and self.verify_parity:
+            raise ValueError("train.objective='dpo' reduces hidden states to per-document log-probabilities without "
+                             "logits, so verify_parity cannot compare them; set verify_parity false")
         return self
 
     @model_validator(mode="after")
@@ -603,6 +642,15 @@ class Config(BaseModel):
     filter: FilterSection = Field(default_factory=FilterSection)
     train: TrainSection = Field(default_factory=TrainSection)
     release: ReleaseSection = Field(default_factory=ReleaseSection)
+
+    @model_validator(mode="after")
+    def _one_objective(self) -> Config:
+        got = {"enrich.objective": self.enrich.objective, "filter.objective": self.filter.objective,
+               "train.objective": self.train.objective}
+        if len(set(got.values())) > 1:
+            raise ValueError(f"the objective must be the same in every stage, got {got}: set all three (the DAG's "
+                             "'objective' param does)")
+        return self
 
     def section_hash(self, name: str) -> str:
         """Short stable hash of one section: the `<cfg>` part of artifact paths."""

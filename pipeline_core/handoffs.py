@@ -77,6 +77,7 @@ class TrainReadyInfo(_Handoff):
     render_sample_documents: int = Field(
         0, ge=0, description="documents under data/render_sample/ with their conversations (pipeline_core.render_sample)")
     decontamination: DecontamInfo | None = None
+    objective: str = Field("sft", description="sft: packed documents; dpo: one pair per row (chosen, rejected)")
 
     def to_extra(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

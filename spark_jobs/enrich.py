@@ -49,6 +49,7 @@ from spark_jobs.common import (
 )
 from spark_jobs.normalize import Rejected, normalise
 from spark_jobs.partitioning import ENRICH_ROWS_PER_PARTITION, stage_partitions
+from spark_jobs.preference import PAIR_COLUMNS, with_preference_columns, with_rejected_similarity
 from spark_jobs.readers import MESSAGES_DDL, SPLIT_COLUMN, read_records
 from spark_jobs.scoring import ScoringParams, score_record
 
@@ -185,11 +186,16 @@ def _compute(ctx: StageContext, input_uri: str, cfg: Config) -> StageOutput:
     from pyspark.sql import functions as F
 
     e, spark, timer, staging, staging_uri = cfg.enrich, ctx.spark, ctx.timer, ctx.staging, ctx.staging_uri
+    pairs = e.objective == "dpo"
     with timer.step("read+normalise") as info:
         raw, source = read_records(spark, input_uri, e.splits, e.input_format, download_dir=download_dir(staging),
-                                   storage=cfg.storage, accept_corrupt_file_loss=e.accept_corrupt_file_loss)
+                                   storage=cfg.storage, accept_corrupt_file_loss=e.accept_corrupt_file_loss,
+                                   require_messages=not pairs)
+        if pairs:  # preference records: prompt + chosen as the conversation, the rejected answer beside it
+            raw = with_preference_columns(raw)
         normalised = raw.select(
             F.col("uuid").alias("id"), "category", "reasoning", "metadata", "messages_json", "raw", SPLIT_COLUMN,
+            *PAIR_COLUMNS * pairs,
             normalise_udf(e)("uuid", "messages_json", "read_error").alias("n"),
         ).select("*", "n.*").drop("n")
         # Lean persisted frame: the record's JSON (`raw`) only where it is a reject, the messages only
@@ -229,7 +235,10 @@ def _compute(ctx: StageContext, input_uri: str, cfg: Config) -> StageOutput:
             "s.sim_context_answer", "s.sim_question_answer",
             F.from_json("messages_json", MESSAGES_DDL).alias("messages"),
             "s.question_embedding", "s.answer_embedding", "metadata", "context_turns", "s.context_question_scores",
+            *PAIR_COLUMNS * pairs,
         )
+        if pairs:  # prompt<->rejected similarity (an annotation; the filter gates on prompt<->chosen)
+            out = with_rejected_similarity(out, e, threads)
         write_parquet(out, uris.join(staging_uri, "data"))
         info["rows"] = n_ok
         info["sentences"] = n_sent + 2 * n_ok  # texts embedded: context sentences + question + answer
@@ -241,7 +250,8 @@ def _compute(ctx: StageContext, input_uri: str, cfg: Config) -> StageOutput:
         counts["rejected"]["corrupt_input_file"] = sum(lost)
     extra = {
         "schema": "enriched",
-        "columns": [*CONTRACT_COLUMNS, *EXTRA_COLUMNS],
+        "objective": e.objective,
+        "columns": [*CONTRACT_COLUMNS, *EXTRA_COLUMNS, *((*PAIR_COLUMNS, "sim_question_rejected") if pairs else ())],
         "extra_columns": {"question_embedding": "array<float> unit vector of the question",
                           "answer_embedding": "array<float> unit vector of the answer",
                           "metadata": "the input record's metadata string",

@@ -128,6 +128,17 @@ def keyed(df: DataFrame, fcfg: FilterSection) -> DataFrame:
          F.format_string(f"sim_question_answer %.4f < min_qa_similarity={fcfg.min_qa_similarity}",
                          F.col("sim_question_answer"))),
     ]
+    if fcfg.objective == "dpo":  # preference pairs: prompt<->chosen is the sim_question_answer check above
+        from spark_jobs.preference import LOW_PREFERENCE_MARGIN
+
+        strength = _opt(df, "preference_strength").cast("int")
+        checks += [
+            (blank("rejected") if "rejected" in df.columns else F.lit(True), MISSING_FIELD,
+             F.lit("rejected is null or empty (objective dpo needs an enriched artifact of preference records)")),
+            (strength.isNotNull() & (strength < fcfg.min_preference_margin), LOW_PREFERENCE_MARGIN,
+             F.format_string(f"|overall_preference| %d < min_preference_margin={fcfg.min_preference_margin}",
+                             strength)),
+        ]
     reason, detail = F.lit(None).cast("string"), F.lit(None).cast("string")
     for cond, r, d in reversed(checks):  # the first failing check wins
         reason = F.when(cond, F.lit(r)).otherwise(reason)

@@ -100,13 +100,19 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]
 def pack(docs: Sequence[tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Packed rows (input_ids, labels, position_ids), int32 arrays of length `seq_len`."""
     lengths = [len(ids) for ids, _ in docs]
-    for members in best_fit_decreasing(lengths, seq_len):
+    yield from pack_rows(([docs[i] for i in members] for members in best_fit_decreasing(lengths, seq_len)),
+                         seq_len, pad_id)
+
+
+def pack_rows(rows: Iterator[Sequence[tuple[np.ndarray, np.ndarray]]] | Sequence, seq_len: int,
+              pad_id: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """One row per group of documents, in the group's order (the caller checked they fit)."""
+    for members in rows:
         input_ids = np.full(seq_len, pad_id, dtype=np.int32)
         labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int32)
         position_ids = np.zeros(seq_len, dtype=np.int32)
         at = 0
-        for i in members:
-            ids, lab = docs[i]
+        for ids, lab in members:
             n = len(ids)
             input_ids[at:at + n] = ids
             labels[at:at + n] = lab
@@ -125,18 +131,23 @@ def split_documents(position_ids: np.ndarray) -> list[tuple[int, int]]:
 ROW_SCHEMA = "input_ids array<int>, labels array<int>, position_ids array<int>"
 
 
-def pack_partitions(batches: Iterator[pd.DataFrame], seq_len: int, pad_id: int, buffer_docs: int) -> Iterator[pd.DataFrame]:
-    """mapInPandas body: documents (sorted by key) -> packed rows, `buffer_docs` documents at a time."""
+def pack_partitions(batches: Iterator[pd.DataFrame], seq_len: int, pad_id: int, buffer_docs: int,
+                    pairs: bool = False) -> Iterator[pd.DataFrame]:
+    """mapInPandas body: documents (sorted by key) -> packed rows, `buffer_docs` documents at a time.
+    `pairs` (objective dpo): each input row is a preference pair (`input_ids`/`labels` of chosen and
+    rejected concatenated, `split_at` = chosen's length) and becomes one row of its own."""
 
     def flush(buf):
-        rows = list(pack(buf, seq_len, pad_id))
+        rows = list(pack_rows(buf, seq_len, pad_id) if pairs else pack(buf, seq_len, pad_id))
         return pd.DataFrame({"input_ids": [r[0] for r in rows], "labels": [r[1] for r in rows],
                              "position_ids": [r[2] for r in rows]})
 
     buf: list = []
     for pdf in batches:
-        for ids, labels in zip(pdf["input_ids"], pdf["labels"], strict=True):
-            buf.append((np.asarray(ids, dtype=np.int32), np.asarray(labels, dtype=np.int32)))
+        cuts = pdf["split_at"] if pairs else [None] * len(pdf)
+        for ids, labels, cut in zip(pdf["input_ids"], pdf["labels"], cuts, strict=True):
+            doc = (np.asarray(ids, dtype=np.int32), np.asarray(labels, dtype=np.int32))
+            buf.append(doc if cut is None else [(doc[0][:cut], doc[1][:cut]), (doc[0][cut:], doc[1][cut:])])
             if len(buf) >= buffer_docs:
                 yield flush(buf)
                 buf = []

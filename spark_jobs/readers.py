@@ -195,15 +195,18 @@ def parse_json_line(line: str) -> dict[str, Any]:
     return out
 
 
-def _read_parquet(spark: SparkSession, files: list[str]) -> DataFrame:
+def _read_parquet(spark: SparkSession, files: list[str], require_messages: bool = True) -> DataFrame:
     from pyspark.sql import functions as F
     from pyspark.sql.types import StringType
 
     df = spark.read.option("mergeSchema", "true").parquet(*files)
     cols = set(df.columns)
-    if "messages" not in cols:
+    if "messages" not in cols and require_messages:
         raise ValueError(f"input Parquet has no 'messages' column (columns: {sorted(cols)}); not the Nemotron schema")
-    m = F.col("messages") if isinstance(df.schema["messages"].dataType, StringType) else F.to_json("messages")
+    if "messages" not in cols:  # preference records (objective dpo) are read from `raw`
+        m = F.lit(None).cast("string")
+    else:
+        m = F.col("messages") if isinstance(df.schema["messages"].dataType, StringType) else F.to_json("messages")
     fields = [(F.col(f).cast("string") if f in cols else F.lit(None).cast("string")).alias(f) for f in STRING_FIELDS]
     return df.select(
         *fields, m.alias("messages_json"), F.to_json(F.struct(*[F.col(c) for c in df.columns])).alias("raw"),
@@ -291,7 +294,8 @@ class CorruptInputFiles(ValueError):
 
 def read_records(spark: SparkSession, input_uri: str, splits: list[str], fmt: str = "auto",
                  download_dir: Path | None = None, storage: StorageSection | None = None,
-                 accept_corrupt_file_loss: bool = False) -> tuple[DataFrame, dict[str, Any]]:
+                 accept_corrupt_file_loss: bool = False,
+                 require_messages: bool = True) -> tuple[DataFrame, dict[str, Any]]:
     """(records with the RAW_SCHEMA columns and `split`, a description of the source for the manifest).
     Hub datasets, and s3:// prefixes when Spark has no s3a connector, are first copied to
     `download_dir` (a staging directory). When the session skips corrupt files
@@ -320,5 +324,5 @@ def read_records(spark: SparkSession, input_uri: str, splits: list[str], fmt: st
                   "(the manifest then records the loss)")
         source.update(ignore_corrupt_files=True, corrupt_files=lost)
     log.info("reading %d %s file(s) from %s", len(files), fmt, input_uri)
-    df = _read_parquet(spark, files) if fmt == "parquet" else _read_jsonl(spark, files)
+    df = _read_parquet(spark, files, require_messages) if fmt == "parquet" else _read_jsonl(spark, files)
     return df, source

@@ -18,6 +18,7 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from pipeline_core.config import FilterSection
@@ -25,16 +26,17 @@ from pipeline_core.render_sample import chat_json
 from spark_jobs.chat_format import ChatTokenizer, load_tokenizer
 from spark_jobs.conversation import ConversationOptions, RenderError, build_conversation
 from spark_jobs.filter_rows import conversation_options
-from spark_jobs.packing import LengthLimits, make_document
+from spark_jobs.packing import Document, LengthLimits, make_document
 
 DOC_SCHEMA = (
     "id string, key long, split string, input_ids array<int>, labels array<int>, n_prompt int, n_answer int, "
     "truncated boolean, reason string, raw string, chat string, category string, n_tokens int, n_tokens_visible int, "
-    "reasoning_dropped boolean"
+    "reasoning_dropped boolean, split_at int"
 )
 RENDER_COLUMNS = ("id", "category", "key", "split", "reason", "raw", "messages_json", "metadata", "reasoning",
-                  "context_sentences", "context_turns", "context_question_scores")
+                  "context_sentences", "context_turns", "context_question_scores", "rejected")
 REDUCED_ROLES = ("system", "tool")
+PAIR_TRAIN_ON = "last_assistant_turn"  # DPO: each side's loss is its final answer only
 
 
 def reduce_context(messages: list[dict[str, Any]], units: Sequence[str] | None, turns: Sequence[int] | None,
@@ -84,6 +86,27 @@ def render_lengths(messages, rec, opts: ConversationOptions, tok: ChatTokenizer,
     return conv, rendered, n_tokens, visible, dropped
 
 
+def render_pair(messages: list[dict[str, Any]], rejected: str, rec, tok: ChatTokenizer, fcfg: FilterSection,
+                opts) -> tuple[Document, int] | tuple[str, str]:
+    """objective dpo: the chosen and the rejected conversation rendered with the chat template (loss on
+    each final answer), as one document whose first `split_at` tokens are the chosen side."""
+    from spark_jobs.preference import pair_too_long, rejected_messages
+
+    limits = LengthLimits(fcfg.seq_len, fcfg.max_tokens, max(1, fcfg.min_answer_tokens), "reject")
+    sides = [tok.render(build_conversation(m, rec.metadata, rec.reasoning, opts), PAIR_TRAIN_ON)
+             for m in (messages, rejected_messages(messages, rejected))]
+    too_long = pair_too_long(len(sides[0].input_ids), len(sides[1].input_ids), fcfg.seq_len)
+    if too_long:  # checked before the per-side limits: one reason for a pair over seq_len
+        return too_long
+    docs = [make_document(r.input_ids, r.targets, limits, tok.eos_id) for r in sides]
+    for name, d in zip(("chosen", "rejected"), docs, strict=True):
+        if isinstance(d, tuple):
+            return d[0], f"{name}: {d[1]}"
+    c, r = docs
+    return Document(np.concatenate([c.input_ids, r.input_ids]), np.concatenate([c.labels, r.labels]),
+                    c.n_prompt + r.n_prompt, c.n_answer + r.n_answer, False), len(c.input_ids)
+
+
 def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
                       sample_below: int | None = None) -> Iterator[pd.DataFrame]:
     """`chat` (`render_sample.chat_json` of the template messages) is kept for the documents whose key
@@ -93,13 +116,14 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
     # drop_earlier_reasoning has already made the row as short as it may get: the rest is a reject
     overflow = "reject" if fcfg.overflow == "drop_earlier_reasoning" else fcfg.overflow
     limits = LengthLimits(fcfg.seq_len, fcfg.max_tokens, fcfg.min_answer_tokens, overflow)
+    pairs = fcfg.objective == "dpo"
     relevant = fcfg.prompt_context == "relevant"
     cols = [c for c in DOC_SCHEMA.split(", ")]
     names = [c.split(" ")[0] for c in cols]
     for pdf in batches:
         out: dict[str, list[Any]] = {k: [] for k in names}
         for rec in pdf.itertuples(index=False):
-            reason, raw, doc, chat, lengths = rec.reason, rec.raw, None, None, (None, None, None)
+            reason, raw, doc, chat, lengths, split_at = rec.reason, rec.raw, None, None, (None, None, None), None
             if reason is None:
                 try:
                     messages = json.loads(rec.messages_json)
@@ -107,12 +131,17 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
                         messages = reduce_context(messages, rec.context_sentences, rec.context_turns,
                                                   rec.context_question_scores, tok, fcfg.relevant_context_tokens,
                                                   fcfg.relevant_top_k)
-                    conv, rendered, *lengths = render_lengths(messages, rec, opts, tok, fcfg)
-                    got = make_document(rendered.input_ids, rendered.targets, limits, tok.eos_id)
-                    if sample_below is not None and int(rec.key) < sample_below:
-                        chat = chat_json(*tok.template_messages(conv))
+                    if pairs:
+                        got = render_pair(messages, rec.rejected, rec, tok, fcfg, opts)
+                    else:
+                        conv, rendered, *lengths = render_lengths(messages, rec, opts, tok, fcfg)
+                        got = make_document(rendered.input_ids, rendered.targets, limits, tok.eos_id)
+                        if sample_below is not None and int(rec.key) < sample_below:
+                            chat = chat_json(*tok.template_messages(conv))
                 except RenderError as e:
                     got = (e.reason, e.detail)
+                if pairs and isinstance(got, tuple) and isinstance(got[0], Document):
+                    got, split_at = got
                 if isinstance(got, tuple):
                     reason, raw = got[0], _raw(rec, got[1])
                 else:
@@ -132,4 +161,5 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
             out["n_tokens"].append(lengths[0])
             out["n_tokens_visible"].append(lengths[1])
             out["reasoning_dropped"].append(lengths[2])
+            out["split_at"].append(split_at)
         yield pd.DataFrame(out)

@@ -109,6 +109,10 @@ def run(input_uri: str, output_uri: str, cfg: Config, spark=None) -> Manifest:
     input_uri = uris.require_uri(input_uri, "--input").rstrip("/")
     output_uri = uris.require_uri(output_uri, "--output").rstrip("/")
     in_manifest = require_manifest(input_uri, cfg.storage, kind=INPUT_KIND)
+    made_for = (in_manifest.extra or {}).get("objective", "sft")
+    if made_for != cfg.filter.objective:
+        raise ValueError(f"--input {input_uri}: the enriched artifact holds {made_for!r} records but filter.objective="
+                         f"{cfg.filter.objective!r}; enrich the data with the same objective")
     eval_sets = resolve_eval_sets(cfg.filter.decontaminate, cfg.storage)  # listed and hashed before compute
 
     def check_tokenizer() -> None:  # invalid tokenizer settings fail here, before any compute
@@ -154,6 +158,7 @@ def _compute(ctx: StageContext, input_uri: str, in_manifest: Manifest, cfg: Conf
             opt("context_sentences", "array<string>").alias("context_sentences"),
             opt("context_turns", "array<int>").alias("context_turns"),
             opt("context_question_scores", "array<double>").alias("context_question_scores"),
+            opt("rejected", "string").alias("rejected"),  # objective dpo: the rejected answer
         )
         sample_below = key_threshold(fcfg.render_sample_documents, n_in)
         write_parquet(render_in.mapInPandas(lambda it: render_partitions(it, fcfg, sample_below), DOC_SCHEMA), docs_uri)
@@ -218,14 +223,17 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
     length_fit = _length_fit(docs, fcfg)
     splits: dict[str, dict[str, Any]] = {}
     seq_len, pad_id, buffer_docs = fcfg.seq_len, tok.pad_id, fcfg.pack_buffer_docs  # plain values for the closure
+    pairs = fcfg.objective == "dpo"  # one preference pair per row (chosen, rejected), never packed together
     for split in SPLITS:
         row = next((r for r in stats if r["reason"] is None and r["split"] == split), None)
         n_docs, doc_tokens = (row["n"], int(row["tokens"])) if row else (0, 0)
         with timer.step(f"pack {split}") as info:
             n_parts = max(1, math.ceil(doc_tokens / fcfg.shard_tokens))
-            part = (docs.filter((F.col("split") == split) & F.col("reason").isNull()).select("key", "input_ids", "labels")
+            part = (docs.filter((F.col("split") == split) & F.col("reason").isNull())
+                    .select("key", "input_ids", "labels", "split_at")
                     .repartition(n_parts, "key").sortWithinPartitions("key"))
-            files = write_parquet(part.mapInPandas(lambda it: pack_partitions(it, seq_len, pad_id, buffer_docs), ROW_SCHEMA),
+            files = write_parquet(part.mapInPandas(lambda it: pack_partitions(it, seq_len, pad_id, buffer_docs, pairs),
+                                                   ROW_SCHEMA),
                                   uris.qualify(staging / "data" / split))
             n_rows = parquet_rows(files)
             info["tokens"] = doc_tokens
@@ -255,6 +263,7 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
         prompt_context=fcfg.prompt_context,
         render_sample_documents=n_sample,
         decontamination=decon,
+        objective=fcfg.objective,
     )
     extra = {
         **info.to_extra(),
@@ -267,6 +276,8 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
             "labels": "int32[seq_len]: = input_ids on trained tokens (assistant turns incl. </s>; not shifted), "
                       "-100 on system, user, tool results and padding",
             "position_ids": "int32[seq_len]: 0 at each document start; trailing padding is a segment of its own",
+            **({"pairs": "objective dpo: each row is one pair, document 1 the chosen side, document 2 the "
+                         "rejected side (labels on each final answer)"} if pairs else {}),
         },
         "splits": splits,
         "truncated": sum(s["truncated"] for s in splits.values()),

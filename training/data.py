@@ -124,19 +124,30 @@ class MicroBatches(Iterator):
         epoch, g = divmod(self.position, self.per_epoch)
         order = self._epoch_order(epoch)
         first = g * self.mb * self.dp_size + self.dp_rank * self.mb
+        batch = self.batch_at([order.locate(k) for k in range(first, first + self.mb)])
+        self.position += 1
+        return batch
+
+    def batch_at(self, locations: list[tuple[int, int]]):
+        """The micro-batch of the given (file, row) samples."""
         rows: dict[str, list[np.ndarray]] = {c: [] for c in self.shards.columns}
-        for k in range(first, first + self.mb):
-            f, r = order.locate(k)
+        for f, r in locations:
             arrays = self.shards.file_arrays(f)
             for c in self.shards.columns:
                 rows[c].append(arrays[c][r])
-        self.position += 1
         t = {c: torch.from_numpy(np.stack(v)) for c, v in rows.items()}
+        labels = None
         if self.need_labels:  # on the host: a few thousand integers, no device round trip
-            t["targets"] = shift_targets(t.pop("labels"), t["position_ids"])
+            labels = self.make_labels(shift_targets(t.pop("labels"), t["position_ids"]), t["position_ids"], locations)
         t = {c: self._to_device(v) for c, v in t.items()}
         inputs = (t["input_ids"], t["position_ids"]) if self.need_inputs else None
-        return inputs, t.get("targets")
+        if isinstance(labels, tuple):
+            return inputs, tuple(self._to_device(x) for x in labels)
+        return inputs, None if labels is None else self._to_device(labels)
+
+    def make_labels(self, targets: torch.Tensor, position_ids: torch.Tensor, locations: list[tuple[int, int]]):
+        """What the last stage's loss gets (host tensors): the shifted targets; ``dpo_data`` adds more."""
+        return targets
 
     def _to_device(self, x: torch.Tensor) -> torch.Tensor:
         if self.pin:

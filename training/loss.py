@@ -37,6 +37,11 @@ class TokenMeanLoss:
         self.scale: float | None = None
         self.targets = 0  # the current step's global target count (for logs and tests)
 
+    @staticmethod
+    def count(targets: torch.Tensor) -> torch.Tensor:
+        """What the step mean divides by, in one micro-batch (``dpo_loss.DPOLoss`` counts pairs)."""
+        return (targets != IGNORE_INDEX).sum()
+
     def begin(self, global_targets: int, micro_batches: int, dp_size: int) -> None:
         self.targets = global_targets
         # a step without a single target: every micro-batch's sum is 0, any finite scale gives 0
@@ -65,7 +70,7 @@ class StepBatches:
         batches = [next(self.source) for _ in range(m)]
         if self.loss is not None:
             # one device->host read for the step, not one per micro-batch
-            local = int(torch.stack([(targets != IGNORE_INDEX).sum() for _, targets in batches]).sum()) if batches else 0
+            local = int(torch.stack([self.loss.count(labels) for _, labels in batches]).sum()) if batches else 0
             self.loss.begin(self.all_reduce(local), m, self.dp_size)
         return iter(batches)
 

@@ -13,8 +13,12 @@ from training.flops import PEAK_BF16_TFLOPS
 
 log = logging.getLogger(__name__)
 
-FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "target_tokens", "skipped")
-EVAL_FIELDS = ("step", "eval_loss", "eval_perplexity", "eval_micro_batches", "eval_target_tokens")
+# objective dpo (training/dpo_loss.DPOMetrics.as_row): empty for SFT runs
+DPO_FIELDS = ("pairs", "dpo_loss", "reward_accuracy", "chosen_reward", "rejected_reward", "reward_margin")
+FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "target_tokens", "skipped",
+          *DPO_FIELDS)
+EVAL_FIELDS = ("step", "eval_loss", "eval_perplexity", "eval_micro_batches", "eval_target_tokens",
+               *(f"eval_{k}" for k in DPO_FIELDS))
 
 
 
@@ -66,14 +70,19 @@ class MetricsLog:
                  _fmt(row["grad_norm"]), row["tokens_per_s"],
                  "" if row["mfu"] is None else f" mfu {row['mfu']:.3f}",
                  "" if eta_s is None else f" eta {_duration(eta_s)}", " SKIPPED" if row["skipped"] else "")
+        if row["reward_accuracy"] is not None:
+            log.info("step %d dpo: reward accuracy %.3f margin %.4f chosen %.4f rejected %.4f (%d pairs)", row["step"],
+                     row["reward_accuracy"], row["reward_margin"], row["chosen_reward"], row["rejected_reward"],
+                     row["pairs"])
 
     def add_eval(self, row: dict[str, Any]) -> None:
         row = {k: row.get(k) for k in EVAL_FIELDS}
         self.eval_rows.append(row)
         _append(self.eval_path, EVAL_FIELDS, row)
         if self._tb is not None:
-            self._tb.add_scalar("eval/loss", float(row["eval_loss"]), int(row["step"]))
-            self._tb.add_scalar("eval/perplexity", float(row["eval_perplexity"]), int(row["step"]))
+            for k in EVAL_FIELDS[1:]:
+                if row[k] is not None and k not in ("eval_micro_batches", "eval_target_tokens"):
+                    self._tb.add_scalar(f"eval/{k.removeprefix('eval_')}", float(row[k]), int(row["step"]))
 
     def close(self) -> None:
         if self._tb is not None:

@@ -44,6 +44,7 @@ from pipeline_core import layout, uris  # noqa: E402
 from pipeline_core.artifacts import fetch_artifact, publish_artifact, read_manifest  # noqa: E402
 from pipeline_core.config import PROJECT_ROOT, Config, ConfigError, load_config  # noqa: E402
 from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo  # noqa: E402
+from training import base_model, dpo_train  # noqa: E402
 from training import checkpoints as ckpt  # noqa: E402
 from training.data import COLUMNS, MicroBatches, ShardSet, columns_for, split_files  # noqa: E402
 from training.flops import ModelShape, flops_per_token  # noqa: E402
@@ -81,6 +82,7 @@ from training.runtime import Settings, resolve_settings  # noqa: E402
 log = logging.getLogger("training.train")
 
 TINY_CACHE = PROJECT_ROOT / ".cache" / "models"
+STORE_MODELS = PROJECT_ROOT / ".cache" / "store-models"  # train.base_model given as a committed model artifact
 
 
 class TrainConfigError(ValueError):
@@ -161,7 +163,8 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
     if t.fp8 != "off" and on_gpu and torch.cuda.get_device_capability() < (8, 9):
         raise TrainConfigError(f"train.fp8={t.fp8!r} needs a GPU with float8 matrix units (compute capability 8.9+, "
                                f"e.g. L4, H100); this one is {torch.cuda.get_device_capability()}: set train.fp8 off")
-    base_config = base_model_config(t.base_model)
+    stored = base_model.fetch(t.base_model, cfg.storage, STORE_MODELS, config_only=True)  # a model artifact URI
+    base_config = base_model_config(str(stored) if stored else t.base_model)
     try:
         register_attention(settings.attention_backend)
         hf_config = prepare_hf_config(base_config, settings.attention_backend, t.seq_len)
@@ -179,6 +182,10 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
     if not any(f["path"].startswith("data/train/") for f in manifest.files):
         raise TrainConfigError(f"--input {input_uri}: artifact has no data/train/*.parquet files")
     info = TrainReadyInfo.of(manifest)
+    try:
+        dpo_train.check_artifact(info, t, input_uri)
+    except dpo_train.ObjectiveMismatch as e:
+        raise TrainConfigError(str(e)) from None
     if info is not None:
         art_seq = info.seq_len
         check_tokenizer(info.tokenizer, base_config, t.base_model)
@@ -395,6 +402,9 @@ class Trainer:
         self.storage = plan.cfg.storage
         self.settings = plan.settings
         self.dtype = torch.bfloat16 if plan.settings.bf16 else torch.float32
+        self.dpo = self.t.objective == "dpo"
+        self.reference: dict[str, np.ndarray] = {}  # objective dpo: per split, [rows, 2] reference log-probs
+        self.reference_summary: dict[str, Any] = {}
 
     def run(self) -> int:
         import torch.distributed as dist
@@ -447,11 +457,14 @@ class Trainer:
             activation_checkpoint_interval=t.activation_checkpoint_interval, device=device,
             sync_free_attention=t.sync_free_attention, causal_rows_sdpa=t.causal_rows_sdpa,
             recompute=plan.recompute, recompute_every=plan.recompute_every,
+            loss_fn=dpo_train.make_loss(t) if self.dpo else None,
         )
         self.loss: TokenMeanLoss = pipe.loss_fn
         swapped = apply_fast_kernels(self.settings.fast_kernels, pipe, loss=self.loss, in_layers=not t.compile_layers)
         if swapped:
             log.info("stage %d: fast kernels %s: %s", pipe.stage_id, self.settings.fast_kernels, swapped)
+        if self.dpo:  # per-document log-probs from hidden states, no logits (the fused-loss seam)
+            dpo_train.use_hidden_states(pipe)
         self.fast_paths = FastPaths()
         if t.fp8 != "off":  # before compiling: the compiled graph fuses the float8 casts
             self.fast_paths.fp8_linears = convert_fp8(t.fp8, pipe)
@@ -506,7 +519,9 @@ class Trainer:
         plan, base = self.plan, self.t.base_model
 
         def get_model() -> Path:
-            return ensure_tiny_model(TINY_CACHE) if base == "tiny" else resolve_model_dir(base)
+            if base == "tiny":
+                return ensure_tiny_model(TINY_CACHE)
+            return base_model.fetch(base, self.storage, STORE_MODELS) or resolve_model_dir(base)
 
         def get_data() -> None:
             # rank 0 holds the lease: earlier attempts are dead; push what they saved, drop the rest
@@ -585,15 +600,29 @@ class Trainer:
         if role.has_data:
             shards = ShardSet(split_files(self.plan.staging / "input", "train"), t.seq_len,
                               columns_for(role.first, role.last))
-            source = MicroBatches(shards, micro_batch=t.micro_batch_size, dp_rank=role.dp_rank, dp_size=role.dp_size,
-                                  seed=t.seed, position=position, need_inputs=role.first, need_labels=role.last,
-                                  device=role.device, pin_memory=t.pin_memory)
+            source = self._batches_cls("train")(
+                shards, micro_batch=t.micro_batch_size, dp_rank=role.dp_rank, dp_size=role.dp_size,
+                seed=t.seed, position=position, need_inputs=role.first, need_labels=role.last,
+                device=role.device, pin_memory=t.pin_memory)
         return StepBatches(source, self.loss if role.last else None, micro_batches=t.gradient_accumulation_steps,
                            dp_size=role.dp_size, dp_group=self.engine.grid.get_data_parallel_group(),
                            device=role.device)
 
+    def _batches_cls(self, split: str):
+        """MicroBatches, or for objective dpo pair batches carrying the split's reference log-probs."""
+        if not self.dpo:
+            return MicroBatches
+        from training.dpo_data import PairMicroBatches
+
+        return functools.partial(PairMicroBatches, reference=self.reference.get(split))
+
     def fit(self, state: RunState) -> None:
         plan, t, role, engine = self.plan, self.t, self.role, self.engine
+        if self.dpo:  # before the first update: the reference model is the engine's weights now
+            splits = {s: ShardSet(f, t.seq_len, COLUMNS) for s in ("train", "val")
+                      if role.has_data and (f := split_files(plan.staging / "input", s))}
+            self.reference = dpo_train.ensure_reference(self, splits, resumed=state.restored is not None)
+            state.summary.update(self.reference_summary)
         probe = self._probe() if t.verify_parity else None
         self.probe = probe
         if t.verify_parity and state.restored is None:
@@ -619,13 +648,14 @@ class Trainer:
             skipped = self._step_was_skipped(loss, grad_norm)
             bad.record(step, skipped)
             targets = gather_value(self.loss.targets if role.last and role.dp_rank == 0 else None)
+            dpo = self._dpo_metrics("")
             if self.metrics is not None:
                 done, left = step - state.start_step, t.steps - step
                 tps = tokens_per_step / dt
                 self.metrics.add({
                     "step": step, "loss": loss, "lr": engine.get_lr()[0], "grad_norm": grad_norm,
                     "tokens_per_s": tps, "step_time_s": dt, "target_tokens": targets, "skipped": int(skipped),
-                    "mfu": None if peak is None else fpt * tps / (peak * 1e12 * plan.world_size),
+                    "mfu": None if peak is None else fpt * tps / (peak * 1e12 * plan.world_size), **dpo,
                 }, eta_s=(time.time() - train_t0) / done * left)
             if t.eval_every and step % t.eval_every == 0 and step != t.steps:
                 state.evals.append(self.evaluate(step))
@@ -657,9 +687,9 @@ class Trainer:
         source, n_batches = None, t.eval_batches
         if role.has_data:
             shards = ShardSet(self.val_files, t.seq_len, columns_for(role.first, role.last))
-            source = MicroBatches(shards, micro_batch=t.micro_batch_size, dp_rank=role.dp_rank, dp_size=role.dp_size,
-                                  seed=t.seed, shuffle=True, need_inputs=role.first, need_labels=role.last,
-                                  device=role.device)
+            source = self._batches_cls("val")(
+                shards, micro_batch=t.micro_batch_size, dp_rank=role.dp_rank, dp_size=role.dp_size,
+                seed=t.seed, shuffle=True, need_inputs=role.first, need_labels=role.last, device=role.device)
             n_batches = min(n_batches, source.per_epoch)
         n_batches = min(v for v in gather_all(n_batches) if v is not None)
         batches = StepBatches(source, self.loss if role.last else None, micro_batches=n_batches,
@@ -667,14 +697,23 @@ class Trainer:
                               device=role.device)
         loss = float(self.engine.eval_batch(batches.next_step(), num_micro_batches=n_batches))
         targets = gather_value(self.loss.targets if role.last and role.dp_rank == 0 else None)
-        ppl = math.exp(min(loss, 50.0))
-        log.info("validation at step %d: loss %.4f perplexity %.2f (%d micro-batches per replica, %s targets)",
-                 step, loss, ppl, n_batches, targets)
+        dpo = self._dpo_metrics("eval_")
+        ppl = None if self.dpo else math.exp(min(loss, 50.0))
+        log.info("validation at step %d: loss %.4f perplexity %s (%d micro-batches per replica, %s targets)%s",
+                 step, loss, ppl, n_batches, targets, f" {dpo}" if dpo else "")
         row = {"step": step, "eval_loss": loss, "eval_perplexity": ppl, "eval_micro_batches": n_batches,
-               "eval_target_tokens": targets}
+               "eval_target_tokens": targets, **dpo}
         if self.metrics is not None:
             self.metrics.add_eval(row)
         return row
+
+    def _dpo_metrics(self, prefix: str) -> dict[str, Any]:
+        """objective dpo: reward accuracy, rewards and margin of the pairs since the last call, on every rank."""
+        if not self.dpo:
+            return {}
+        m = dpo_train.step_metrics(self.loss, self.role, self.engine)
+        m = gather_value(m if self.role.last and self.role.dp_rank == 0 else None)
+        return m.as_row(prefix)
 
     # ---------------------------------------------------------------- export / publish
     def export_and_publish(self, state: RunState) -> None:
@@ -708,7 +747,8 @@ class Trainer:
                          storage=self.storage)
         publish_artifact(self.report_dir.parent, layout.report_uri(plan.run_uri), kind="report", config=cfg_json,
                          inputs=[plan.input_uri], counts={}, extra={k: summary.get(k) for k in
-                         ("eval_loss", "eval_perplexity", "final_train_loss")}, storage=self.storage)
+                         ("eval_loss", "eval_perplexity", "final_train_loss", *dpo_train.REPORT_KEYS * self.dpo)},
+                         storage=self.storage)
         log.info("run complete: %s", json.dumps({k: summary.get(k) for k in
                  ("final_train_loss", "eval_loss", "eval_perplexity", "mean_step_time_s", "skipped_steps")}))
 

@@ -40,6 +40,8 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "require_approval": ("release.require_approval",),
     "promote_tolerance": ("release.promote_tolerance",),
     "force_promote": ("release.force_promote",),
+    # preference optimisation (docs/dpo.md): one objective for every stage
+    "objective": ("enrich.objective", "filter.objective", "train.objective"),
 }
 
 # `config_overrides` keys a trigger may set: what a run computes (thresholds, sizes, steps, rates,
@@ -70,9 +72,13 @@ def param_specs() -> dict[str, dict[str, Any]]:
             "a retry of the same Airflow run resumes the same training run.",
             pattern=COMPONENT_PATTERN, title="Run id",
         ),
-        "base_model": _nullable("string", "'tiny', a Hugging Face model directory or hub id, among the deployment's "
-                                "allowed base models. Empty: config.",
+        "base_model": _nullable("string", "'tiny', a Hugging Face model directory or hub id among the deployment's "
+                                "allowed base models, or 'latest': the model models/LATEST points to (e.g. DPO from last "
+                                "night's SFT model). Empty: config.",
                                 minLength=1, title="Base model"),
+        "objective": {"default": None, "type": ["null", "string"], "enum": [None, "sft", "dpo"], "title": "Objective",
+                      "description": "sft: supervised fine-tuning on conversations; dpo: preference pairs "
+                                     "(docs/dpo.md). Empty: config (sft)."},
         "splits": _nullable(
             "array", "Nemotron splits to process (v1 or v2 names; each must have files in the source). "
             "Empty: config.",

@@ -135,7 +135,9 @@ def check_deployment_policy(params: dict[str, Any], cfg: Config, deployed: Confi
         raise PlanError(f"source_uri: {source!r} is not under the deployment's allowed sources "
                         f"{list(settings.allowed_source_prefixes)} (MFT_DEPLOY__ALLOWED_SOURCE_PREFIXES)")
     model = cfg.train.base_model
-    if model != deployed.train.base_model and not _allowed(model, settings.allowed_base_models):
+    # 'latest' resolves to the model this deployment's own models/LATEST names (a verified store artifact)
+    pinned_latest = params.get("base_model") == LATEST_MODEL
+    if model != deployed.train.base_model and not pinned_latest and not _allowed(model, settings.allowed_base_models):
         raise PlanError(f"base_model: {model!r} is not among the deployment's allowed base models "
                         f"{list(settings.allowed_base_models)} (MFT_DEPLOY__ALLOWED_BASE_MODELS)")
 
@@ -181,6 +183,9 @@ def resolve_plan(
     try:
         cfg = load_config(config_file, overrides=overrides, env=env)
         deployed = load_config(config_file, env=env)
+        if cfg.train.base_model == LATEST_MODEL:  # the promoted model, pinned for this run (retries train the same)
+            overrides["train.base_model"] = latest_model(cfg)
+            cfg = load_config(config_file, overrides=overrides, env=env)
         if "train" in stages and world_size is not None:
             cfg.train.accumulation_steps(world_size)  # a global batch that does not divide: refused now
     except ConfigError as e:
@@ -199,6 +204,21 @@ def resolve_plan(
     return plan
 
 
+LATEST_MODEL = "latest"
+
+
+def latest_model(cfg: Config) -> str:
+    """The model artifact `models/LATEST` points to (the promoted SFT model), for `base_model: latest`."""
+    from pipeline_core.pointers import read_pointer
+
+    models = uris.join(cfg.pipeline.store_uri, "models")
+    pointer = read_pointer(models, cfg.storage)
+    if pointer is None:
+        raise PlanError(f"base_model: 'latest' but no model was promoted yet ({models}/LATEST does not exist); "
+                        "run SFT first or name a base model")
+    return pointer.target
+
+
 def build_plan(cfg: Config, config_path: Path, *, stages: list[str], world_size: int | None = None) -> RunPlan:
     run = layout.run_uri(cfg)
     return RunPlan(
@@ -211,7 +231,9 @@ def build_plan(cfg: Config, config_path: Path, *, stages: list[str], world_size:
         train_ready_uri=layout.train_ready_uri(cfg),
         run_uri=run,
         model_uri=layout.model_uri(run),
-        models_uri=uris.join(cfg.pipeline.store_uri, "models"),
+        # DPO models have their own forward-only pointer (docs/dpo.md)
+        models_uri=uris.join(cfg.pipeline.store_uri, "models", *(("dpo",) if cfg.train.objective == "dpo" else ())),
+        objective=cfg.train.objective,
         eval_uri=layout.eval_uri(run),
         trainer_name=resource_name(cfg.pipeline.run_id),
         stages=tuple(stages),

@@ -46,6 +46,8 @@ class RunPlan(BaseModel):
     trainer_name: str = Field(description="Deterministic name of the run's trainer container / Kubernetes Job")
     stages: tuple[Stage, ...] = STAGES
     world_size: int | None = Field(None, ge=1, description="Training ranks (nodes x processes per node), if known")
+    objective: Literal["sft", "dpo"] = Field("sft", description="dpo: promotion gated on val reward metrics, "
+                                             "pointer under models/dpo/ (docs/dpo.md)")
 
     def runs(self, stage: Stage) -> bool:
         return stage in self.stages

@@ -24,7 +24,7 @@ from pipeline_core.artifacts import (
     read_manifest,
     require_manifest,
 )
-from pipeline_core.config import ReleaseSection, StorageSection, load_config
+from pipeline_core.config import DPOSettings, ReleaseSection, StorageSection, load_config
 from pipeline_core.pointers import read_pointer
 from pipeline_core.store import open_store
 from plugins.mft_airflow.run_plan import RunPlan
@@ -71,10 +71,9 @@ def _benchmarks(run_uri: str, storage: StorageSection | None) -> dict[str, Any] 
 
 
 def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
-                  release: ReleaseSection | None = None) -> dict[str, Any]:
-    """Verify, evaluate, write the summary, then move `models/LATEST` if the gate allows it."""
-    from training.promote import promote
-
+                  release: ReleaseSection | None = None, dpo: DPOSettings | None = None) -> dict[str, Any]:
+    """Verify, evaluate, write the summary, then move `models/LATEST` (DPO: `models/dpo/LATEST`) if the
+    gate allows it."""
     release = release or ReleaseSection()
     model = require_manifest(plan.model_uri, storage)
     if model.kind != "model":
@@ -96,8 +95,18 @@ def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
         summary["promotion"] = decision.to_dict()
         _write_summary(plan.run_uri, summary, storage)
 
-    final = promote(plan.model_uri, plan.train_ready_uri, plan.models_uri, order_key, release, storage,
-                    run_id=plan.run_id, on_decision=store_decision)
+    if plan.objective == "dpo":  # gated on the run's val reward accuracy and margin (training/dpo_promote.py)
+        from training.dpo_promote import apply, evaluate
+
+        decision = evaluate(plan.model_uri, plan.run_uri, plan.train_ready_uri, plan.models_uri, order_key, release,
+                            dpo or DPOSettings(), storage)
+        store_decision(decision)
+        final = apply(decision, plan.models_uri, storage, run_id=plan.run_id)
+    else:
+        from training.promote import promote
+
+        final = promote(plan.model_uri, plan.train_ready_uri, plan.models_uri, order_key, release, storage,
+                        run_id=plan.run_id, on_decision=store_decision)
     if final.to_dict() != summary["promotion"]:
         store_decision(final)
     summary["latest"] = uris.join(plan.models_uri, "LATEST")

@@ -1,0 +1,89 @@
+"""The DAG side of DPO (issue 30): the `objective` param sets every stage's objective through the
+real form schema, and `base_model: latest` pins the model `models/LATEST` points to, which the
+trainer then loads from the store (verified against its manifest)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline_core import uris
+from pipeline_core.artifacts import publish_artifact
+from pipeline_core.config import load_config
+from pipeline_core.pointers import advance
+from plugins.mft_airflow.plan import PlanError
+from tests.test_dag_params import dag, form, resolve, roots  # noqa: F401  (fixtures)
+from tests.training_helpers import make_tiny_model
+
+
+def test_objective_param_sets_every_stage(dag, roots):  # noqa: F811
+    plan = resolve(form(dag, {"objective": "dpo"}), roots)
+    cfg = load_config(plan.config_file, env={})
+    assert (cfg.enrich.objective, cfg.filter.objective, cfg.train.objective) == ("dpo", "dpo", "dpo")
+    assert load_config(resolve(form(dag, {}), roots).config_file, env={}).train.objective == "sft"
+    with pytest.raises(Exception, match="dpo"):
+        form(dag, {"objective": "ppo"})
+
+
+def test_base_model_latest_resolves_to_the_promoted_model(dag, roots, tmp_path):  # noqa: F811
+    from training.train import make_plan
+
+    with pytest.raises(PlanError, match="no model was promoted yet"):
+        resolve(form(dag, {"base_model": "latest"}), roots)
+    model_dir = make_tiny_model(tmp_path / "sft-model" / "data")
+    store = roots["pipeline.store_uri"]
+    model_uri = uris.join(store, "runs", "sft-1", "model")
+    publish_artifact(tmp_path / "sft-model", model_uri, kind="model", counts={}, extra={"format": "huggingface"})
+    advance(uris.join(store, "models"), model_uri, "20260101000000000000")
+    plan = resolve(form(dag, {"base_model": "latest", "objective": "dpo"}), roots)
+    cfg = load_config(plan.config_file, env={})
+    assert cfg.train.base_model == model_uri  # pinned: a retry trains from the same model
+    # the trainer reads the store model's config (fetched and verified) before any weights load
+    ready = tmp_path / "ready"
+    from tests.test_dpo_train_e2e import dpo_train_ready
+
+    cfg = load_config(plan.config_file, env={}, overrides={"train.seq_len": 128, "filter.seq_len": 128})
+    tp = make_plan(cfg, dpo_train_ready(store, ready), plan.run_uri, 2, on_gpu=False)
+    assert tp.base_config.num_hidden_layers == 4 and tp.base_config.model_type == "mistral"
+    assert model_dir.is_dir()
+
+
+def _dpo_run(store: str, tmp_path, name: str, acc: float, margin: float, val_uri: str, ref: str) -> tuple[str, str]:
+    from pipeline_core import layout
+
+    run = uris.join(store, "runs", name)
+    (tmp_path / name / "model" / "data").mkdir(parents=True)
+    (tmp_path / name / "model" / "data" / "config.json").write_text("{}")
+    (tmp_path / name / "report" / "data").mkdir(parents=True)
+    (tmp_path / name / "report" / "data" / "summary.json").write_text("{}")
+    publish_artifact(tmp_path / name / "model", layout.model_uri(run), kind="model", counts={})
+    publish_artifact(tmp_path / name / "report", layout.report_uri(run), kind="report", counts={},
+                     extra={"eval_reward_accuracy": acc, "eval_reward_margin": margin, "reference_uri": ref})
+    return run, layout.model_uri(run)
+
+
+def test_dpo_promotion_is_gated_on_val_reward_metrics_forward_only(tmp_path):
+    from pipeline_core.config import DPOSettings, ReleaseSection
+    from pipeline_core.pointers import read_pointer
+    from training.dpo_promote import apply, evaluate
+
+    store = uris.qualify(tmp_path / "store")
+    models = uris.join(store, "models", "dpo")
+    val, ref = uris.join(store, "datasets", "v", "train", "x"), uris.join(store, "reference", "k")
+    release, dpo = ReleaseSection(), DPOSettings(min_val_reward_accuracy=0.6)
+
+    def promote(name, acc, margin, key, val_uri=val):
+        run, model = _dpo_run(store, tmp_path, name, acc, margin, val_uri, ref)
+        return apply(evaluate(model, run, val_uri, models, key, release, dpo), models, run_id=name)
+
+    low = promote("r0", 0.5, 0.2, "20260101000000000001")
+    assert not low.promoted and "min_val_reward_accuracy" in low.reason and read_pointer(models) is None
+    first = promote("r1", 0.7, 0.2, "20260101000000000002")
+    assert first.promoted and read_pointer(models).target.endswith("r1/model")
+    worse = promote("r2", 0.65, 0.3, "20260101000000000003")  # same pairs, lower accuracy than the promoted model's
+    assert not worse.promoted and "promoted DPO model's 0.7000" in worse.reason
+    better = promote("r3", 0.75, 0.25, "20260101000000000004")
+    assert better.promoted and read_pointer(models).target.endswith("r3/model")
+    stale = promote("r4", 0.9, 0.9, "20260101000000000000")  # an older run never moves the pointer back
+    assert not stale.promoted and read_pointer(models).target.endswith("r3/model")
+    other = promote("r5", 0.61, 0.1, "20260101000000000005", val_uri=uris.join(store, "datasets", "w", "train", "y"))
+    assert other.promoted and "other pairs: not compared" in other.reason

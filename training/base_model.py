@@ -1,0 +1,31 @@
+"""`train.base_model` given as a committed model artifact in the store (`runs/<run>/model`, what
+`base_model: latest` resolves to through `models/LATEST`): fetched, verified against its manifest,
+into a per-manifest cache directory, then loaded as any Hugging Face model directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline_core import uris
+from pipeline_core.artifacts import fetch_artifact, read_manifest
+from pipeline_core.config import StorageSection
+
+CONFIG_FILE = "data/config.json"
+
+
+def _store_model(base_model: str, storage: StorageSection | None):
+    if uris.scheme_of(base_model) not in ("file", "s3"):
+        return None
+    m = read_manifest(base_model, storage)
+    return m if m is not None and m.kind == "model" else None
+
+
+def fetch(base_model: str, storage: StorageSection | None, cache: Path, config_only: bool = False) -> Path | None:
+    """The local model directory of a store model artifact (None: `base_model` is not one)."""
+    m = _store_model(base_model, storage)
+    if m is None:
+        return None
+    dest = cache / m.sha256[:16]
+    fetch_artifact(base_model, dest, storage, prefix=CONFIG_FILE if config_only else "data/")
+    return dest / "data"

@@ -1,0 +1,99 @@
+"""Promotion of a DPO run's model to `models/dpo/LATEST` (forward only, like `training.promote`).
+
+Gate (docs/dpo.md): the run's validation reward accuracy and margin, from its committed report
+(computed by the trainer on the val pairs against the committed reference log-probs):
+  - reward accuracy >= `train.dpo.min_val_reward_accuracy` and margin > 0;
+  - when the promoted DPO model was evaluated on the same val pairs (same train-ready artifact, same
+    reference: its pointer record says so), accuracy and margin no worse than its own;
+  - `release.force_promote` publishes regardless.
+The pointer record keeps the numbers and the pairs they were measured on for the next comparison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from pipeline_core import layout
+from pipeline_core.artifacts import ArtifactError, require_manifest
+from pipeline_core.config import DPOSettings, ReleaseSection, StorageSection
+from pipeline_core.pointers import advance, read_pointer
+
+
+@dataclass(frozen=True)
+class DPOPromotion:
+    promoted: bool
+    reason: str
+    candidate_uri: str
+    reward_accuracy: float | None
+    reward_margin: float | None
+    current_uri: str | None
+    current_reward_accuracy: float | None
+    current_reward_margin: float | None
+    val_uri: str
+    reference_uri: str | None
+    order_key: str
+    forced: bool
+    latest_uri: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def decide(acc: float | None, margin: float | None, current: dict | None, min_acc: float,
+           forced: bool) -> tuple[bool, str]:
+    """The rule alone; `current`: the promoted model's numbers on the same pairs (None: none to compare)."""
+    if acc is None or margin is None:
+        return forced, "the run's report has no validation reward metrics (train.eval_batches 0?)"
+    problems = []
+    if acc < min_acc:
+        problems.append(f"val reward accuracy {acc:.4f} < train.dpo.min_val_reward_accuracy={min_acc:g}")
+    if margin <= 0:
+        problems.append(f"val reward margin {margin:.4f} <= 0")
+    if current is not None:
+        if acc < current["reward_accuracy"]:
+            problems.append(f"val reward accuracy {acc:.4f} < the promoted DPO model's {current['reward_accuracy']:.4f}")
+        if margin < current["reward_margin"]:
+            problems.append(f"val reward margin {margin:.4f} < the promoted DPO model's {current['reward_margin']:.4f}")
+    if not problems:
+        return True, f"val reward accuracy {acc:.4f}, margin {margin:.4f}" + (
+            " (no worse than the promoted DPO model's on the same pairs)" if current else "")
+    if forced:
+        return True, "forced (release.force_promote): " + "; ".join(problems)
+    return False, "; ".join(problems) + "; set release.force_promote to publish it anyway"
+
+
+def evaluate(model_uri: str, run_uri: str, val_uri: str, models_uri: str, order_key: str, release: ReleaseSection,
+             dpo: DPOSettings, storage: StorageSection | None = None) -> DPOPromotion:
+    require_manifest(model_uri, storage, kind="model")
+    report = require_manifest(layout.report_uri(run_uri), storage, kind="report")
+    extra = report.extra or {}
+    if "eval_reward_accuracy" not in extra:
+        raise ArtifactError(f"{layout.report_uri(run_uri)} is not a DPO run's report (no eval_reward_accuracy)")
+    acc, margin, ref = extra.get("eval_reward_accuracy"), extra.get("eval_reward_margin"), extra.get("reference_uri")
+    pointer = read_pointer(models_uri, storage)
+    same = None
+    if pointer is not None and pointer.target != model_uri and pointer.extra.get("val_uri") == val_uri \
+            and pointer.extra.get("reference_uri") == ref:
+        same = {"reward_accuracy": pointer.extra["reward_accuracy"], "reward_margin": pointer.extra["reward_margin"]}
+    ok, reason = decide(acc, margin, same, dpo.min_val_reward_accuracy, release.force_promote)
+    if pointer is not None and same is None and pointer.target != model_uri:
+        reason += " (the promoted DPO model was measured on other pairs: not compared)"
+    return DPOPromotion(ok, reason, model_uri, acc, margin, pointer.target if pointer else None,
+                        same and same["reward_accuracy"], same and same["reward_margin"], val_uri, ref, order_key,
+                        release.force_promote, pointer.target if pointer else None)
+
+
+def apply(decision: DPOPromotion, models_uri: str, storage: StorageSection | None = None, *,
+          run_id: str | None = None) -> DPOPromotion:
+    from dataclasses import replace
+
+    if not decision.promoted:
+        return decision
+    moved = advance(models_uri, decision.candidate_uri, decision.order_key, storage, run_id=run_id,
+                    extra={"val_uri": decision.val_uri, "reference_uri": decision.reference_uri,
+                           "reward_accuracy": decision.reward_accuracy, "reward_margin": decision.reward_margin,
+                           "previous": decision.current_uri})
+    latest = moved.current.target if moved.current else decision.latest_uri
+    if moved.moved:
+        return replace(decision, latest_uri=latest)
+    return replace(decision, promoted=False, latest_uri=latest, reason=f"{decision.reason}; not moved: {moved.reason}")
