@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 
-from pydantic_core import PydanticUndefined
+from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from pipeline_core.config import PROJECT_ROOT, sections
 
@@ -37,7 +37,7 @@ def _default(field) -> str:
         return "(required)"
     else:
         value = field.default
-    return f"`{json.dumps(value)}`"
+    return f"`{json.dumps(to_jsonable_python(value))}`"
 
 
 def render() -> str:
