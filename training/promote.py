@@ -25,9 +25,17 @@ from pathlib import Path
 
 from pipeline_core import uris
 from pipeline_core.artifacts import ArtifactError, fetch_artifact, require_manifest
-from pipeline_core.config import Config, PromoteMetric, ReleaseSection, StorageSection, load_config
+from pipeline_core.config import (
+    Config,
+    PromoteMetric,
+    ReleaseSection,
+    StorageSection,
+    TrackingSection,
+    load_config,
+)
 from pipeline_core.handoffs import BenchmarkResults
 from pipeline_core.pointers import advance, read_pointer
+from training.tracking import Tracker
 
 log = logging.getLogger("training.promote")
 
@@ -215,8 +223,17 @@ def benchmark_scores(model_uri: str, current_uri: str | None, release: ReleaseSe
 
 
 def apply(decision: Promotion, models_uri: str, storage: StorageSection | None = None, *,
-          run_id: str | None = None) -> Promotion:
-    """Step 3: move LATEST forward if the decision says so; the result says where it points."""
+          run_id: str | None = None, tracker: Tracker | None = None, registered_model: str | None = None) -> Promotion:
+    """Step 3: move LATEST forward if the decision says so; the result says where it points. With a
+    tracker, the decision is logged to the run's MLflow run and a promoted model becomes a version of
+    `registered_model` (alias `champion` forward only, by the same order key)."""
+    result = _apply(decision, models_uri, storage, run_id)
+    if tracker is not None:
+        track_promotion(tracker, result, registered_model)
+    return result
+
+
+def _apply(decision: Promotion, models_uri: str, storage: StorageSection | None, run_id: str | None) -> Promotion:
     if not decision.promoted:
         return decision
     moved = advance(models_uri, decision.candidate_uri, decision.order_key, storage, run_id=run_id,
@@ -228,10 +245,28 @@ def apply(decision: Promotion, models_uri: str, storage: StorageSection | None =
     return replace(decision, promoted=False, latest_uri=latest, reason=f"{decision.reason}; not moved: {moved.reason}")
 
 
+def track_promotion(tracker: Tracker, decision: Promotion, registered_model: str | None) -> None:
+    """Queue the decision's tags and numbers; register the model when LATEST now names it."""
+    tracker.set_tags({"mft.order_key": decision.order_key, "mft.promotion.promoted": str(decision.promoted).lower(),
+                      "mft.promotion.reason": decision.reason, "mft.model_uri": decision.candidate_uri})
+    numbers = {"promotion/candidate_val_loss": decision.candidate_val_loss,
+               "promotion/current_val_loss": decision.current_val_loss}
+    numbers.update({f"promotion/{m.task}/{m.metric.replace(',', '_')}/worse_by": m.worse_by for m in decision.compared})
+    tracker.log_values({k: v for k, v in numbers.items() if v is not None})
+    if decision.promoted and registered_model and decision.latest_uri == decision.candidate_uri:
+        tracker.register(registered_model, decision.candidate_uri, decision.order_key)
+
+
 def promote(model_uri: str, val_uri: str, models_uri: str, order_key: str, release: ReleaseSection,
-            storage: StorageSection | None = None, *, run_id: str | None = None) -> Promotion:
-    return apply(evaluate(model_uri, val_uri, models_uri, order_key, release, storage), models_uri, storage,
-                 run_id=run_id)
+            storage: StorageSection | None = None, *, run_id: str | None = None,
+            tracking: TrackingSection | None = None) -> Promotion:
+    tracker = Tracker.create(tracking, run_id or uris.name(uris.parent(model_uri)))
+    try:
+        return apply(evaluate(model_uri, val_uri, models_uri, order_key, release, storage), models_uri, storage,
+                     run_id=run_id, tracker=tracker, registered_model=release.registered_model)
+    finally:
+        if tracker is not None:
+            tracker.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg: Config = load_config(args.config)
     result = promote(uris.require_uri(args.model, "--model"), uris.require_uri(args.val, "--val"),
-                     uris.require_uri(args.models, "--models"), args.order_key, cfg.release, cfg.storage)
+                     uris.require_uri(args.models, "--models"), args.order_key, cfg.release, cfg.storage,
+                     tracking=cfg.tracking)
     print(json.dumps(result.to_dict(), indent=2))
     return 0
 

@@ -66,6 +66,7 @@ from training.optim import (  # noqa: E402
     fuse_hp_grad_accumulation,
 )
 from training.runtime import Settings, resolve_settings  # noqa: E402
+from training.tracking import Tracker  # noqa: E402
 
 log = logging.getLogger("training.train")
 
@@ -95,6 +96,7 @@ class Plan:
     staging: Path
     settings: Settings
     tokenizer: TokenizerSpec | None = None  # what the train-ready artifact was rendered with
+    input_manifest: Any = None  # the train-ready artifact's manifest (its hashes and counts are tracked)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -183,7 +185,7 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
     except OptimizerConfigError as e:
         raise TrainConfigError(str(e)) from None
     return Plan(cfg, input_uri, run_uri, run_id, world_size, t.pipeline_stages, dp, hf_config, base_config,
-                ds_config, staging, settings, info.tokenizer if info else None)
+                ds_config, staging, settings, info.tokenizer if info else None, manifest)
 
 
 def train_ready_info(manifest) -> TrainReadyInfo | None:
@@ -508,6 +510,7 @@ class Trainer:
         state.summary["resumed_from_step"] = state.start_step
 
         self.metrics = None
+        self.tracker = None
         self.report_dir = plan.staging / "report" / "data"
         if role.is_rank0:
             self.report_dir.mkdir(parents=True, exist_ok=True)
@@ -517,7 +520,13 @@ class Trainer:
                 saved = restored.local_dir / ckpt.TAG / name if restored is not None else None
                 if saved is not None and saved.exists():
                     shutil.copy(saved, self.report_dir / name)
-            self.metrics = MetricsLog(csv_path, self.report_dir / "tensorboard")
+            self.tracker = Tracker.create(self.cfg.tracking, plan.run_id)
+            if self.tracker is not None:  # a resume logs into the same MLflow run (found by run id)
+                self.tracker.log_config(self.cfg)
+                self.tracker.set_tags({"mft.run_uri": plan.run_uri, "data.train_ready.uri": plan.input_uri})
+                if plan.input_manifest is not None:
+                    self.tracker.log_manifest("train_ready", plan.input_manifest)
+            self.metrics = MetricsLog(csv_path, self.report_dir / "tensorboard", self.tracker)
             self.metrics.truncate(state.start_step)
 
         self.uploader = None
@@ -659,6 +668,8 @@ class Trainer:
         publish_artifact(self.report_dir.parent, layout.report_uri(plan.run_uri), kind="report", config=cfg_json,
                          inputs=[plan.input_uri], counts={}, extra={k: summary.get(k) for k in
                          ("eval_loss", "eval_perplexity", "final_train_loss")}, storage=self.storage)
+        if self.tracker is not None:  # bounded wait: a slow or dead server drops what is left, never fails
+            self.tracker.close()
         log.info("run complete: %s", json.dumps({k: summary.get(k) for k in
                  ("final_train_loss", "eval_loss", "eval_perplexity", "mean_step_time_s", "skipped_steps")}))
 

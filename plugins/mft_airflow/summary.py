@@ -24,7 +24,7 @@ from pipeline_core.artifacts import (
     read_manifest,
     require_manifest,
 )
-from pipeline_core.config import ReleaseSection, StorageSection, load_config
+from pipeline_core.config import ReleaseSection, StorageSection, TrackingSection, load_config
 from pipeline_core.pointers import read_pointer
 from pipeline_core.store import open_store
 from plugins.mft_airflow.run_plan import RunPlan
@@ -71,8 +71,23 @@ def _benchmarks(run_uri: str, storage: StorageSection | None) -> dict[str, Any] 
 
 
 def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
-                  release: ReleaseSection | None = None) -> dict[str, Any]:
-    """Verify, evaluate, write the summary, then move `models/LATEST` if the gate allows it."""
+                  release: ReleaseSection | None = None, tracking: TrackingSection | None = None) -> dict[str, Any]:
+    """Verify, evaluate, write the summary, then move `models/LATEST` if the gate allows it. With
+    `tracking.mlflow_uri`, the run's MLflow run gets the eval scores and the decision, and a promoted
+    model is registered (training/tracking.py; failures there are logged, never raised)."""
+    from training.tracking import Tracker
+
+    tracker = Tracker.create(tracking, plan.run_id)
+    try:
+        return _publish_model(plan, storage, order_key, release, tracker)
+    finally:
+        if tracker is not None:
+            tracker.close()
+
+
+def _publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
+                   release: ReleaseSection | None, tracker: Any) -> dict[str, Any]:
+    from training.benchmarks import read_results
     from training.promote import apply, evaluate
 
     release = release or ReleaseSection()
@@ -94,7 +109,14 @@ def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
         "promotion": decision.to_dict(),
     }
     _write_summary(plan.run_uri, summary, storage)  # before LATEST can name this run
-    final = apply(decision, plan.models_uri, storage, run_id=plan.run_id)
+    if tracker is not None:
+        for role, uri in (("enriched", plan.enriched_uri), ("train_ready", plan.train_ready_uri)):
+            if (m := read_manifest(uri, storage)) is not None:
+                tracker.log_manifest(role, m)
+        if (scores := read_results(layout.eval_uri(plan.run_uri), storage)) is not None:
+            tracker.log_benchmarks(scores)
+    final = apply(decision, plan.models_uri, storage, run_id=plan.run_id, tracker=tracker,
+                  registered_model=release.registered_model)
     if final != decision:
         summary["promotion"] = final.to_dict()
         _write_summary(plan.run_uri, summary, storage)
