@@ -74,11 +74,11 @@ class Tracker:
         self._metrics(row, "")
 
     def log_manifest(self, role: str, manifest: Any) -> None:
-        """A data manifest's identity as tags: `data.<role>.sha256`, `.uri`-less counts `data.<role>.<count>`."""
+        """A data manifest's identity as tags: `data.<role>.sha256` (of the manifest's bytes as stored),
+        `.content_sha256`, and its counts flattened (`data.<role>.in`, `data.<role>.rejected.<reason>`)."""
         tags = {f"data.{role}.sha256": manifest.sha256, f"data.{role}.content_sha256": manifest.content_sha256,
                 f"data.{role}.kind": manifest.kind}
-        tags.update({f"data.{role}.{k}": str(v) for k, v in (manifest.counts or {}).items()
-                     if isinstance(v, (int, float, str))})
+        tags.update(flatten(manifest.counts or {}, f"data.{role}"))  # e.g. data.enriched.rejected.empty_answer
         self.set_tags(tags)
 
     def log_benchmarks(self, results: Any) -> None:

@@ -57,8 +57,13 @@ def _stage(uri: str, storage: StorageSection | None) -> dict[str, Any]:
 def _decontamination(train_ready_uri: str, storage: StorageSection | None) -> dict[str, Any] | None:
     from pipeline_core.handoffs import TrainReadyInfo
 
+    from pydantic import ValidationError
+
     m = read_manifest(train_ready_uri, storage)
-    info = TrainReadyInfo.from_manifest(m).decontamination if m is not None else None
+    try:
+        info = TrainReadyInfo.from_manifest(m).decontamination if m is not None else None
+    except ValidationError:  # a manifest committed before the typed hand-off: nothing to show
+        info = None
     return None if info is None else info.model_dump(mode="json")
 
 
