@@ -34,7 +34,7 @@ from tests._deploy_support import (
 SERVICES = {
     "postgres", "minio", "minio-init", "staging-init", "spark-master", "spark-worker",
     "airflow-init", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
-    "airflow-triggerer", "trainer",
+    "airflow-triggerer", "trainer", "mlflow-db-init", "mlflow",
 }
 AIRFLOW_LONG_RUNNING = {"airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"}
 ONE_SHOT = {"minio-init", "staging-init", "airflow-init", "trainer"}
