@@ -37,7 +37,7 @@ SERVICES = {
     "airflow-triggerer", "trainer", "mlflow-db-init", "mlflow",
 }
 AIRFLOW_LONG_RUNNING = {"airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"}
-ONE_SHOT = {"minio-init", "staging-init", "airflow-init", "trainer"}
+ONE_SHOT = {"minio-init", "staging-init", "airflow-init", "trainer", "mlflow-db-init"}
 # bind-mount sources outside the repository must come from .env (host paths the user chooses)
 HOST_PATH_VARS = {"MFT_STAGING_DIR", "DOCKER_SOCKET"}
 

@@ -55,9 +55,9 @@ def _stage(uri: str, storage: StorageSection | None) -> dict[str, Any]:
 
 
 def _decontamination(train_ready_uri: str, storage: StorageSection | None) -> dict[str, Any] | None:
-    from pipeline_core.handoffs import TrainReadyInfo
-
     from pydantic import ValidationError
+
+    from pipeline_core.handoffs import TrainReadyInfo
 
     m = read_manifest(train_ready_uri, storage)
     try:
