@@ -103,6 +103,10 @@ class Tracker:
         only when no newer run (larger order key) holds it."""
         self.submit("register", lambda c, r: register_version(c, r, name, model_uri, order_key))
 
+    def finish(self, status: str = "FINISHED") -> None:
+        """Mark the MLflow run ended (publish may still add to it later)."""
+        self.submit("finish", lambda c, r: c.set_terminated(r, status))
+
     def _metrics(self, row: Mapping[str, Any], prefix: str) -> None:
         step = int(row["step"])
         items = [(f"{prefix}{k}", float(v), step) for k, v in row.items()

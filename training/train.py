@@ -669,6 +669,7 @@ class Trainer:
                          inputs=[plan.input_uri], counts={}, extra={k: summary.get(k) for k in
                          ("eval_loss", "eval_perplexity", "final_train_loss")}, storage=self.storage)
         if self.tracker is not None:  # bounded wait: a slow or dead server drops what is left, never fails
+            self.tracker.finish()
             self.tracker.close()
         log.info("run complete: %s", json.dumps({k: summary.get(k) for k in
                  ("final_train_loss", "eval_loss", "eval_perplexity", "mean_step_time_s", "skipped_steps")}))
