@@ -251,3 +251,20 @@ def _plan(tmp_path, store_uri: str, run_id: str):
     env = deployment_env({"pipeline.store_uri": store_uri, "pipeline.staging_uri": uris.qualify(tmp_path / "staging")})
     return resolve_plan({"dataset_version": "v1", "run_id": run_id}, dag_id="mistral_finetune",
                         airflow_run_id=f"manual__{run_id}", run_date=None, env=env)
+
+
+def test_the_demo_default_sqlite_store_needs_no_server(tmp_path):
+    """`make demo` logs straight into sqlite:///.store/mlflow/mlflow.db through the client package."""
+    from training.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = load_config(overrides=_tracking(uri))
+    t = Tracker(cfg.tracking, "demo-run")
+    t.log_config(cfg)
+    t.log_step({"step": 1, "loss": 2.5, "lr": 1e-4, "skipped": 0})
+    t.register("demo", uris.qualify(tmp_path / "runs" / "demo-run" / "model"), "0" * 20)
+    assert t.close() and t.failures == 0
+    client = _client(uri)
+    run = _run_of(client, "demo-run")
+    assert run.data.params["tracking.mlflow_uri"] == uri and run.data.metrics["train/loss"] == 2.5
+    assert client.get_model_version_by_alias("demo", "champion").source == f"runs:/{run.info.run_id}/model"
