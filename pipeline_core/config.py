@@ -619,6 +619,10 @@ class ReleaseSection(Section):
     promote_on: Literal["val_loss"] | list[PromoteMetric] = execution(
         "val_loss", description="val_loss (the new model's val loss vs LATEST's on the same rows), or benchmark "
         "metrics of release.eval_tasks that may not get worse than LATEST's by more than their min_delta")
+    # MLflow model registry (training/tracking.py, docs/evaluation.md#tracking-mlflow): used when tracking.mlflow_uri is set
+    registered_model: str = execution(
+        "mistral-finetune", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$",
+        description="MLflow registered model a promoted model becomes a version of (alias 'champion' moves forward)")
 
     @model_validator(mode="after")
     def _promote_on_tasks(self) -> ReleaseSection:
@@ -633,6 +637,28 @@ class ReleaseSection(Section):
         return self
 
 
+class TrackingSection(Section):
+    """MLflow tracking of each run (training/tracking.py): never on the critical path; a failing
+    server is logged, retried with backoff, then given up on without failing training or publish."""
+
+    mlflow_uri: str | None = execution(
+        None, description="MLflow tracking URI (http(s)://host:port or sqlite:///path); None: tracking off")
+    experiment: str = execution("mistral-finetune", min_length=1, max_length=256,
+                                description="MLflow experiment the runs are logged under")
+    max_attempts: int = execution(4, ge=1, le=20, description="Attempts per tracking call before it is given up")
+    backoff_s: float = execution(1.0, ge=0, le=60, description="First retry delay (doubles per attempt)")
+    request_timeout_s: float = execution(10.0, gt=0, le=300, description="HTTP timeout of one tracking request")
+    flush_timeout_s: float = execution(
+        60.0, ge=0, le=3600, description="How long the end of a run waits for queued tracking calls before dropping them")
+
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _uri(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^(https?://[^\s/]+|sqlite:///\S+|postgresql(\+\w+)?://\S+)", v):
+            raise ValueError(f"{v!r}: expected http(s)://host:port, sqlite:///path or postgresql://...")
+        return v
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -642,6 +668,7 @@ class Config(BaseModel):
     filter: FilterSection = Field(default_factory=FilterSection)
     train: TrainSection = Field(default_factory=TrainSection)
     release: ReleaseSection = Field(default_factory=ReleaseSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
 
     @model_validator(mode="after")
     def _one_objective(self) -> Config:

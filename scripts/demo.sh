@@ -26,6 +26,12 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensio
 export MFT__FILTER__DECONTAMINATE="${MFT__FILTER__DECONTAMINATE:-[{name: tiny_qa, uri: 'file://$ROOT/sample_data/eval/tiny_qa.jsonl'\}]}"
 export MFT__RELEASE__EVAL_TASKS="${MFT__RELEASE__EVAL_TASKS:-[{task: tiny_qa, yaml: 'file://$ROOT/sample_data/eval/tiny_qa.yaml'\}]}"
 
+# MLflow tracking (docs/evaluation.md#tracking-mlflow): params, per-step metrics, eval scores and the
+# registered model go to a local SQLite store; browse it with the server package (its own venv, see
+# docs) `mlflow ui --backend-store-uri sqlite:///.store/mlflow/mlflow.db`. Set the variable empty to turn it off.
+mkdir -p "$ROOT/.store/mlflow"
+export MFT__TRACKING__MLFLOW_URI="${MFT__TRACKING__MLFLOW_URI-sqlite:///$ROOT/.store/mlflow/mlflow.db}"
+
 # The embedded defaults, with the dataset version pinned so that a second `make demo` reuses the
 # committed data artifacts (and trains a new run on them).
 CONF="${DEMO_CONF:-{\"dataset_version\": \"sample\"\}}"

@@ -34,10 +34,10 @@ from tests._deploy_support import (
 SERVICES = {
     "postgres", "minio", "minio-init", "staging-init", "spark-master", "spark-worker",
     "airflow-init", "airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
-    "airflow-triggerer", "trainer",
+    "airflow-triggerer", "trainer", "mlflow-db-init", "mlflow",
 }
 AIRFLOW_LONG_RUNNING = {"airflow-apiserver", "airflow-scheduler", "airflow-dag-processor", "airflow-triggerer"}
-ONE_SHOT = {"minio-init", "staging-init", "airflow-init", "trainer"}
+ONE_SHOT = {"minio-init", "staging-init", "airflow-init", "trainer", "mlflow-db-init"}
 # bind-mount sources outside the repository must come from .env (host paths the user chooses)
 HOST_PATH_VARS = {"MFT_STAGING_DIR", "DOCKER_SOCKET"}
 

@@ -66,7 +66,7 @@ class Stack:
             "MFT_IMAGE": image_under_test(), "MFT_STAGING_DIR": str(self.staging),
             "MFT_CI_POSTGRES_IMAGE": os.environ.get("MFT_TEST_POSTGRES_IMAGE", "mft-postgres:ci"),
             "MFT_S3_ENDPOINT_URL": f"http://127.0.0.1:{self.ports['S3']}",
-            "MFT_LAUNCHER": "local", "MFT_DS_ACCELERATOR": "cpu",
+            "MFT_LAUNCHER": "local", "MFT_DS_ACCELERATOR": "cpu", "MFT_MLFLOW_URI": "",
             "SPARK_WORKER_CORES": "2", "SPARK_WORKER_MEMORY": "2g",
             **{f"MFT_CI_{k}_PORT": str(v) for k, v in self.ports.items()},
         })

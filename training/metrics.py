@@ -7,9 +7,12 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from training.flops import PEAK_BF16_TFLOPS
+
+if TYPE_CHECKING:
+    from training.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +39,9 @@ def peak_tflops(configured: float | None) -> float | None:
 class MetricsLog:
     """Rank-0 sink: appends one CSV row per step (kept across resumes) and TensorBoard scalars."""
 
-    def __init__(self, csv_path: Path, tb_dir: Path | None):
+    def __init__(self, csv_path: Path, tb_dir: Path | None, tracker: Tracker | None = None):
         self.csv_path = csv_path
+        self.tracker = tracker  # MLflow (training/tracking.py): gets every row written, off the step's path
         self.eval_path = csv_path.with_name("eval.csv")
         csv_path.parent.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict[str, Any]] = read_csv(csv_path) if csv_path.exists() else []
@@ -62,6 +66,8 @@ class MetricsLog:
         row = {k: row.get(k) for k in FIELDS}
         self.rows.append(row)
         _append(self.csv_path, FIELDS, row)
+        if self.tracker is not None:
+            self.tracker.log_step(row)
         if self._tb is not None:
             for k in FIELDS[1:]:
                 if row[k] is not None:
@@ -79,6 +85,8 @@ class MetricsLog:
         row = {k: row.get(k) for k in EVAL_FIELDS}
         self.eval_rows.append(row)
         _append(self.eval_path, EVAL_FIELDS, row)
+        if self.tracker is not None:
+            self.tracker.log_eval(row)
         if self._tb is not None:
             for k in EVAL_FIELDS[1:]:
                 if row[k] is not None and k not in ("eval_micro_batches", "eval_target_tokens"):

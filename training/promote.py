@@ -30,7 +30,14 @@ from pathlib import Path
 
 from pipeline_core import uris
 from pipeline_core.artifacts import ArtifactError, fetch_artifact, require_manifest
-from pipeline_core.config import Config, PromoteMetric, ReleaseSection, StorageSection, load_config
+from pipeline_core.config import (
+    Config,
+    PromoteMetric,
+    ReleaseSection,
+    StorageSection,
+    TrackingSection,
+    load_config,
+)
 from pipeline_core.handoffs import BenchmarkResults
 from pipeline_core.pointers import (
     PointerMoved,
@@ -40,6 +47,7 @@ from pipeline_core.pointers import (
     read_pointer,
     sync_mirror,
 )
+from training.tracking import Tracker
 
 log = logging.getLogger("training.promote")
 
@@ -235,10 +243,21 @@ def benchmark_scores(model_uri: str, current_uri: str | None, release: ReleaseSe
 
 
 def apply(decision: Promotion, models_uri: str, storage: StorageSection | None = None, *,
-          run_id: str | None = None, release: ReleaseSection | None = None) -> Promotion:
+          run_id: str | None = None, release: ReleaseSection | None = None, tracker: Tracker | None = None,
+          registered_model: str | None = None) -> Promotion:
     """Step 3: move LATEST forward if the decision says so and LATEST still names the model the
     decision was made against (else `PointerMoved`: evaluate again); the result says where it
-    points. Whatever the decision, the plain `models/LATEST` mirror is re-synced."""
+    points. Whatever the decision, the plain `models/LATEST` mirror is re-synced. With a tracker,
+    the decision is logged to the run's MLflow run and a promoted model becomes a version of
+    `registered_model` (alias `champion` forward only, by the same order key)."""
+    result = _apply(decision, models_uri, storage, run_id, release)
+    if tracker is not None:
+        track_promotion(tracker, result, registered_model)
+    return result
+
+
+def _apply(decision: Promotion, models_uri: str, storage: StorageSection | None, run_id: str | None,
+           release: ReleaseSection | None) -> Promotion:
     if not decision.promoted:
         pointer = sync_mirror(models_uri, storage)  # a publisher killed before its mirror write is repaired here too
         return replace(decision, latest_uri=pointer.target if pointer else None)
@@ -253,22 +272,44 @@ def apply(decision: Promotion, models_uri: str, storage: StorageSection | None =
     return replace(decision, promoted=False, latest_uri=latest, reason=f"{decision.reason}; not moved: {moved.reason}")
 
 
+def track_promotion(tracker: Tracker, decision: Promotion, registered_model: str | None) -> None:
+    """Queue the decision's tags and numbers; register the model when LATEST now names it."""
+    tracker.set_tags({"mft.order_key": decision.order_key, "mft.promotion.promoted": str(decision.promoted).lower(),
+                      "mft.promotion.reason": decision.reason, "mft.model_uri": decision.candidate_uri})
+    numbers = {"promotion/candidate_val_loss": decision.candidate_val_loss,
+               "promotion/current_val_loss": decision.current_val_loss}
+    numbers.update({f"promotion/{m.task}/{m.metric.replace(',', '_')}/worse_by": m.worse_by for m in decision.compared})
+    tracker.log_values({k: v for k, v in numbers.items() if v is not None})
+    if decision.promoted and registered_model and decision.latest_uri == decision.candidate_uri:
+        tracker.register(registered_model, decision.candidate_uri, decision.order_key)
+
+
 def promote(model_uri: str, val_uri: str, models_uri: str, order_key: str, release: ReleaseSection,
             storage: StorageSection | None = None, *, run_id: str | None = None,
-            on_decision: Callable[[Promotion], None] | None = None) -> Promotion:
+            on_decision: Callable[[Promotion], None] | None = None,
+            tracking: TrackingSection | None = None, tracker: Tracker | None = None) -> Promotion:
     """Evaluate and apply; a lost race (LATEST moved in between) evaluates again against the new
     LATEST. `on_decision` sees each decision before LATEST can move (the publish task stores the
-    run's summary there)."""
+    run's summary there). The decision goes to the run's MLflow run through `tracker` (the caller's)
+    or, with `tracking.mlflow_uri`, one opened here."""
     check_order_key(order_key, release.max_order_key_ahead_s)  # before any download or evaluation
-    for _ in range(REEVALUATIONS):
-        decision = evaluate(model_uri, val_uri, models_uri, order_key, release, storage)
-        if on_decision is not None:
-            on_decision(decision)
-        try:
-            return apply(decision, models_uri, storage, run_id=run_id, release=release)
-        except PointerMoved as e:
-            log.warning("%s; evaluating %s again against the new LATEST", e, model_uri)
-            moved = e
+    own = tracker is None
+    if own:
+        tracker = Tracker.create(tracking, run_id or uris.name(uris.parent(model_uri)))
+    try:
+        for _ in range(REEVALUATIONS):
+            decision = evaluate(model_uri, val_uri, models_uri, order_key, release, storage)
+            if on_decision is not None:
+                on_decision(decision)
+            try:
+                return apply(decision, models_uri, storage, run_id=run_id, release=release, tracker=tracker,
+                             registered_model=release.registered_model)
+            except PointerMoved as e:
+                log.warning("%s; evaluating %s again against the new LATEST", e, model_uri)
+                moved = e
+    finally:
+        if own and tracker is not None:
+            tracker.close()
     return replace(decision, promoted=False, latest_uri=moved.current.target if moved.current else None,
                    reason=f"{decision.reason}; not moved: LATEST moved {REEVALUATIONS} times while this run was "
                           f"evaluated ({moved}); publish again to compare with it")
@@ -285,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg: Config = load_config(args.config)
     result = promote(uris.require_uri(args.model, "--model"), uris.require_uri(args.val, "--val"),
-                     uris.require_uri(args.models, "--models"), args.order_key, cfg.release, cfg.storage)
+                     uris.require_uri(args.models, "--models"), args.order_key, cfg.release, cfg.storage,
+                     tracking=cfg.tracking)
     print(json.dumps(result.to_dict(), indent=2))
     return 0
 

@@ -78,6 +78,7 @@ from training.optim import (  # noqa: E402
     fuse_hp_grad_accumulation,
 )
 from training.runtime import Settings, resolve_settings  # noqa: E402
+from training.tracking import Tracker  # noqa: E402
 
 log = logging.getLogger("training.train")
 
@@ -111,6 +112,7 @@ class Plan:
     recompute: str = "none"  # train.recompute resolved (auto -> a mode, training/memory.py)
     recompute_every: int = 1
     memory: StageMemory | None = None  # the fullest stage's estimate (GPU only)
+    input_manifest: Any = None  # the train-ready artifact's manifest (its hashes and counts are tracked)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -207,7 +209,7 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
     device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if on_gpu else None
     recompute, every, memory = plan_recompute(t, hf_config, dp, settings, device_bytes)
     return Plan(cfg, input_uri, run_uri, run_id, world_size, t.pipeline_stages, dp, hf_config, base_config,
-                ds_config, staging, settings, info.tokenizer if info else None, recompute, every, memory)
+                ds_config, staging, settings, info.tokenizer if info else None, recompute, every, memory, manifest)
 
 
 def plan_recompute(t, hf_config, dp: int, settings: Settings, device_bytes: int | None):
@@ -573,6 +575,7 @@ class Trainer:
         state.summary["resumed_from_step"] = state.start_step
 
         self.metrics = None
+        self.tracker = None
         self.report_dir = plan.staging / "report" / "data"
         if role.is_rank0:
             self.report_dir.mkdir(parents=True, exist_ok=True)
@@ -582,7 +585,13 @@ class Trainer:
                 saved = restored.local_dir / ckpt.TAG / name if restored is not None else None
                 if saved is not None and saved.exists():
                     shutil.copy(saved, self.report_dir / name)
-            self.metrics = MetricsLog(csv_path, self.report_dir / "tensorboard")
+            self.tracker = Tracker.create(self.cfg.tracking, plan.run_id)
+            if self.tracker is not None:  # a resume logs into the same MLflow run (found by run id)
+                self.tracker.log_config(self.cfg)
+                self.tracker.set_tags({"mft.run_uri": plan.run_uri, "data.train_ready.uri": plan.input_uri})
+                if plan.input_manifest is not None:
+                    self.tracker.log_manifest("train_ready", plan.input_manifest)
+            self.metrics = MetricsLog(csv_path, self.report_dir / "tensorboard", self.tracker)
             self.metrics.truncate(state.start_step)
 
         self.uploader = None
@@ -749,6 +758,9 @@ class Trainer:
                          inputs=[plan.input_uri], counts={}, extra={k: summary.get(k) for k in
                          ("eval_loss", "eval_perplexity", "final_train_loss", *dpo_train.REPORT_KEYS * self.dpo)},
                          storage=self.storage)
+        if self.tracker is not None:  # bounded wait: a slow or dead server drops what is left, never fails
+            self.tracker.finish()
+            self.tracker.close()
         log.info("run complete: %s", json.dumps({k: summary.get(k) for k in
                  ("final_train_loss", "eval_loss", "eval_perplexity", "mean_step_time_s", "skipped_steps")}))
 

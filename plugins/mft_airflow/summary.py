@@ -24,7 +24,7 @@ from pipeline_core.artifacts import (
     read_manifest,
     require_manifest,
 )
-from pipeline_core.config import DPOSettings, ReleaseSection, StorageSection, load_config
+from pipeline_core.config import DPOSettings, ReleaseSection, StorageSection, TrackingSection, load_config
 from pipeline_core.pointers import read_pointer
 from pipeline_core.store import open_store
 from plugins.mft_airflow.run_plan import RunPlan
@@ -55,6 +55,7 @@ def _stage(uri: str, storage: StorageSection | None) -> dict[str, Any]:
 
 
 def _decontamination(train_ready_uri: str, storage: StorageSection | None) -> dict[str, Any] | None:
+
     from pipeline_core.handoffs import TrainReadyInfo
 
     m = read_manifest(train_ready_uri, storage)
@@ -71,10 +72,26 @@ def _benchmarks(run_uri: str, storage: StorageSection | None) -> dict[str, Any] 
 
 
 def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
-                  release: ReleaseSection | None = None, dpo: DPOSettings | None = None) -> dict[str, Any]:
+                  release: ReleaseSection | None = None, tracking: TrackingSection | None = None,
+                  dpo: DPOSettings | None = None) -> dict[str, Any]:
     """Verify, evaluate, write the summary, then move `models/LATEST` (DPO: `models/dpo/LATEST`) if the
-    gate allows it."""
-    release = release or ReleaseSection()
+    gate allows it. With `tracking.mlflow_uri`, the run's MLflow run gets the manifests, the eval
+    scores and the decision, and a promoted model is registered (training/tracking.py; failures
+    there are logged, never raised)."""
+    from training.tracking import Tracker
+
+    tracker = Tracker.create(tracking, plan.run_id)
+    try:
+        return _publish_model(plan, storage, order_key, release or ReleaseSection(), tracker, dpo)
+    finally:
+        if tracker is not None:
+            tracker.close()
+
+
+def _publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str, release: ReleaseSection,
+                   tracker: Any, dpo: DPOSettings | None) -> dict[str, Any]:
+    from training.benchmarks import read_results
+
     model = require_manifest(plan.model_uri, storage)
     if model.kind != "model":
         raise ArtifactError(f"{plan.model_uri} is a {model.kind!r} artifact, not a model")
@@ -90,6 +107,12 @@ def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
                   "bytes": sum(f["size"] for f in model.files), "manifest_sha256": model.sha256},
         "eval": _benchmarks(plan.run_uri, storage),
     }
+    if tracker is not None:
+        for role, uri in (("enriched", plan.enriched_uri), ("train_ready", plan.train_ready_uri)):
+            if (m := read_manifest(uri, storage)) is not None:
+                tracker.log_manifest(role, m)
+        if (scores := read_results(layout.eval_uri(plan.run_uri), storage)) is not None:
+            tracker.log_benchmarks(scores)
 
     def store_decision(decision: Any) -> None:  # before LATEST can name this run (again after a lost race)
         summary["promotion"] = decision.to_dict()
@@ -106,7 +129,7 @@ def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
         from training.promote import promote
 
         final = promote(plan.model_uri, plan.train_ready_uri, plan.models_uri, order_key, release, storage,
-                        run_id=plan.run_id, on_decision=store_decision)
+                        run_id=plan.run_id, on_decision=store_decision, tracker=tracker)
     if final.to_dict() != summary["promotion"]:
         store_decision(final)
     summary["latest"] = uris.join(plan.models_uri, "LATEST")

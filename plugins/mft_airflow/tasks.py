@@ -56,7 +56,7 @@ def publish(plan: RunPlan, **context: Any) -> dict[str, Any]:
     cfg = load_plan_config(plan)
     # runs are ordered by logical date (trigger time for manual runs): LATEST never moves back
     order_key = order_key_from_date(context.get("logical_date") or context["dag_run"].run_after)
-    summary = publish_model(plan, cfg.storage, order_key, cfg.release, dpo=cfg.train.dpo)
+    summary = publish_model(plan, cfg.storage, order_key, cfg.release, cfg.tracking, dpo=cfg.train.dpo)
     log.info("\n%s", format_summary(summary))
     train = summary.get("train", {})
     context["outlet_events"][MODEL_ASSET].extra = {
