@@ -251,13 +251,24 @@ def _canonical(conv: Conversation, turns: Sequence[Turn]) -> str:
     parts = [f"system\u0001{normalise_text(conv.system or '')}"]
     for t in turns:
         calls = "".join(f"\u0002{normalise_text(c.name)}({normalise_text(c.arguments)})" for c in t.tool_calls)
-        parts.append(f"{t.role}\u0001{normalise_text(t.content)}{calls}")
+        flag = "" if t.trained is None else f"\u0004{int(t.trained)}"  # flagged rows differ by what they train
+        parts.append(f"{t.role}\u0001{normalise_text(t.content)}{calls}{flag}")
     return "\u0003".join(parts)
 
 
 def prompt_text(conv: Conversation) -> str:
     """The prompt the split hashes: the conversation up to (not including) the final answer."""
     return _canonical(conv, conv.turns[:-1])
+
+
+def seed_prompt_key(metadata: str | None) -> str | None:
+    """Rows cut from one seed conversation (the SFT collection: `metadata.seed_dataset` +
+    `seed_prompt_sha256`) are one prompt for the split, whatever turns each row keeps."""
+    meta = _metadata(metadata)
+    seed, sha = meta.get("seed_dataset"), meta.get("seed_prompt_sha256")
+    if isinstance(seed, str) and isinstance(sha, str) and seed.strip() and sha.strip():
+        return f"seed\u0001{seed.strip()}\u0001{sha.strip().lower()}"
+    return None
 
 
 def dedup_text(conv: Conversation) -> str:

@@ -41,6 +41,7 @@ from pipeline_core import uris
 from pipeline_core.artifacts import Manifest
 from pipeline_core.config import Config, EnrichSection, load_config
 from pipeline_core.layout import content_settings
+from spark_jobs import family, prompt_sources
 from spark_jobs.common import (
     StageContext,
     StageOutput,
@@ -54,7 +55,6 @@ from spark_jobs.common import (
     task_cpus,
     write_parquet,
 )
-from spark_jobs import family, prompt_sources
 from spark_jobs.conversation import BAD_TRAIN_TURNS, train_turns
 from spark_jobs.normalize import Rejected, normalise
 from spark_jobs.partitioning import ENRICH_ROWS_PER_PARTITION, stage_partitions

@@ -3,7 +3,13 @@
 Runs as a `mapInPandas` body (the tokenizer is loaded once per executor process). A kept row is
 rendered with `chat_format` (the whole conversation, `filter.train_on` turns as targets), then the
 length limits apply (`packing.make_document`); a row that fails either becomes a reject with the
-reason and a detail, and a row rejected earlier passes through. One row in, one row out.
+reason and a detail, and a row rejected earlier passes through. One row in, one or more rows out:
+a record with per-turn flags and `train_on_reasoning` can train several documents
+(`conversation.build_documents`); its first output row (`doc` 0) is the whole conversation and
+carries the record's accounting (`len_with_reasoning` / `len_without_reasoning`: the tokens of the
+whole conversation rendered with and without its final reasoning, for the per-split length fit),
+its prefix documents follow as `doc` 1, 2, ... with keys of their own. A record whose any document
+fails is rejected whole.
 
 `prompt_context: relevant`: before rendering, a system prompt or tool result longer than
 `relevant_context_tokens` is replaced, inside the same turn, by its `relevant_top_k` units with the
@@ -13,6 +19,8 @@ serving does not have), in their original order and verbatim (code blocks, JSON,
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -21,13 +29,14 @@ import pandas as pd
 
 from pipeline_core.config import FilterSection
 from spark_jobs.chat_format import ChatTokenizer, load_tokenizer
-from spark_jobs.conversation import RenderError, build_conversation
+from spark_jobs.conversation import RenderError, build_documents
 from spark_jobs.filter_rows import conversation_options
 from spark_jobs.packing import LengthLimits, make_document
 
 DOC_SCHEMA = (
     "id string, key long, split string, input_ids array<int>, labels array<int>, n_prompt int, n_answer int, "
-    "truncated boolean, reason string, raw string"
+    "truncated boolean, reason string, raw string, doc int, source_split string, len_with_reasoning int, "
+    "len_without_reasoning int"
 )
 RENDER_COLUMNS = ("id", "category", "key", "split", "reason", "raw", "messages_json", "metadata", "reasoning",
                   "context_sentences", "context_turns", "context_question_scores")
@@ -57,9 +66,17 @@ def _raw(rec, detail: str) -> str:
                       ensure_ascii=False)
 
 
+def doc_key(key: int, doc: int) -> int:
+    """A prefix document's packing key: stable, its own (doc 0 keeps the row's key)."""
+    if doc == 0:
+        return int(key)
+    return int.from_bytes(hashlib.sha256(f"{key}:{doc}".encode()).digest()[:8], "big", signed=True)
+
+
 def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection) -> Iterator[pd.DataFrame]:
     tok = load_tokenizer(fcfg.tokenizer)
     opts = conversation_options(fcfg)
+    plain = dataclasses.replace(opts, train_on_reasoning=False)
     limits = LengthLimits(fcfg.seq_len, fcfg.max_tokens, fcfg.min_answer_tokens, fcfg.overflow)
     relevant = fcfg.prompt_context == "relevant"
     cols = [c for c in DOC_SCHEMA.split(", ")]
@@ -67,7 +84,8 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection) -> I
     for pdf in batches:
         out: dict[str, list[Any]] = {k: [] for k in names}
         for rec in pdf.itertuples(index=False):
-            reason, raw, doc = rec.reason, rec.raw, None
+            reason, raw, docs = rec.reason, rec.raw, []
+            lengths: tuple[int | None, int | None] = (None, None)
             if reason is None:
                 try:
                     messages = json.loads(rec.messages_json)
@@ -75,23 +93,48 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection) -> I
                         messages = reduce_context(messages, rec.context_sentences, rec.context_turns,
                                                   rec.context_question_scores, tok, fcfg.relevant_context_tokens,
                                                   fcfg.relevant_top_k)
-                    conv = build_conversation(messages, rec.metadata, rec.reasoning, opts)
-                    rendered = tok.render(conv, fcfg.train_on)
-                    got = make_document(rendered.input_ids, rendered.targets, limits, tok.eos_id)
+                    convs = build_documents(messages, rec.metadata, rec.reasoning, opts)
+                    rendered = [tok.render(c, fcfg.train_on) for c in convs]
+                    lengths = _lengths(rendered[-1], messages, rec, plain, opts, tok, fcfg)
+                    got: Any = None
+                    for r in [rendered[-1], *rendered[:-1]]:  # the whole conversation first: doc 0
+                        d = make_document(r.input_ids, r.targets, limits, tok.eos_id)
+                        if isinstance(d, tuple):
+                            got = d
+                            break
+                        docs.append(d)
                 except RenderError as e:
                     got = (e.reason, e.detail)
                 if isinstance(got, tuple):
-                    reason, raw = got[0], _raw(rec, got[1])
-                else:
-                    doc = got
-            out["id"].append(rec.id)
-            out["key"].append(rec.key)
-            out["split"].append(rec.split)
-            out["input_ids"].append(doc.input_ids if doc else None)
-            out["labels"].append(doc.labels if doc else None)
-            out["n_prompt"].append(doc.n_prompt if doc else None)
-            out["n_answer"].append(doc.n_answer if doc else None)
-            out["truncated"].append(doc.truncated if doc else None)
-            out["reason"].append(reason)
-            out["raw"].append(raw)
+                    reason, raw, docs = got[0], _raw(rec, got[1]), []
+            for j, doc in enumerate(docs or [None]):
+                out["id"].append(rec.id)
+                out["key"].append(doc_key(rec.key, j))
+                out["split"].append(rec.split)
+                out["input_ids"].append(doc.input_ids if doc else None)
+                out["labels"].append(doc.labels if doc else None)
+                out["n_prompt"].append(doc.n_prompt if doc else None)
+                out["n_answer"].append(doc.n_answer if doc else None)
+                out["truncated"].append(doc.truncated if doc else None)
+                out["reason"].append(reason)
+                out["raw"].append(raw)
+                out["doc"].append(j)
+                out["source_split"].append(getattr(rec, "source_split", None))
+                out["len_with_reasoning"].append(lengths[0] if j == 0 else None)
+                out["len_without_reasoning"].append(lengths[1] if j == 0 else None)
         yield pd.DataFrame(out)
+
+
+def _lengths(whole, messages, rec, plain, opts, tok: ChatTokenizer, fcfg: FilterSection) -> tuple[int, int]:
+    """Tokens of the whole conversation with its final reasoning and without (rendered once more
+    only when the two differ)."""
+    from spark_jobs.conversation import build_conversation
+    from spark_jobs.normalize import message_parts
+
+    n = len(whole.input_ids)
+    last = next((m for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "assistant"), None)
+    if last is None or not message_parts(last)[1]:
+        return n, n  # no reasoning to add or remove
+    other_opts = plain if opts.train_on_reasoning else dataclasses.replace(opts, train_on_reasoning=True)
+    other = len(tok.render(build_conversation(messages, rec.metadata, rec.reasoning, other_opts), fcfg.train_on).input_ids)
+    return (n, other) if opts.train_on_reasoning else (other, n)
