@@ -45,6 +45,7 @@ from reports.facts import (
     read_table,
     reject_rows,
     richest_document,
+    source_split_rows,
     split_of_id,
     split_tokens,
     train_ready_info,
@@ -170,6 +171,7 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
         doc_lengths_sampled_rows=sampled,
         packing_by_split={s: v.get("packing_efficiency") for s, v in splits.items()},
         example=example, example_split=example_split,
+        source_splits=source_split_rows(en, tr), prompt_sources=en.extra.get("prompt_sources") or {},
     )
 
 

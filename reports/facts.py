@@ -77,10 +77,28 @@ class ReportFacts:
     packing_by_split: dict[str, float | None]
     example: list[Span] = field(default_factory=list)
     example_split: str | None = None
+    # per input split (issue 28): enrich's rows in / rejects, the filter's rejects and seq_len fit
+    source_splits: dict[str, dict[str, Any]] = field(default_factory=dict)
+    prompt_sources: dict[str, dict[str, Any]] = field(default_factory=dict)  # enrich's restored / unrestorable
 
     def to_extra(self) -> dict[str, Any]:
         return {"headline": asdict(self.headline), "dataset_version": self.dataset_version,
                 "thresholds": self.thresholds, "near_duplicates_shown": len(self.near_duplicates)}
+
+
+def source_split_rows(enriched: Manifest, train_ready: Manifest) -> dict[str, dict[str, Any]]:
+    """Per input split: rows in, rejects by "<stage>:<reason>", kept, and how many rendered
+    conversations fit seq_len with and without reasoning (the filter's `extra.source_splits`)."""
+    out: dict[str, dict[str, Any]] = {}
+    for split, c in (enriched.extra.get("splits") or {}).items():
+        out[split or "(unnamed)"] = {"in": c.get("in", 0), "rejected": {f"enrich:{r}": n for r, n in c.get("rejected", {}).items()},
+                                     "kept": None, "measured": None, "fit_with": None, "fit_without": None}
+    for split, c in (train_ready.extra.get("source_splits") or {}).items():
+        row = out.setdefault(split or "(unnamed)", {"in": c.get("in", 0), "rejected": {}})
+        row["rejected"].update({f"filter:{r}": n for r, n in c.get("rejected", {}).items()})
+        row.update(kept=c.get("out"), measured=c.get("measured"), fit_with=c.get("fit_seq_len_with_reasoning"),
+                   fit_without=c.get("fit_seq_len_without_reasoning"))
+    return dict(sorted(out.items()))
 
 
 def train_ready_info(manifest: Manifest) -> TrainReadyInfo | None:

@@ -151,14 +151,14 @@ def tool_schema(t: Any) -> dict[str, Any] | None:
     t = _json(t)
     if not isinstance(t, Mapping):
         return None
-    if isinstance(t.get("function"), Mapping):
-        return dict(t) if t.get("type") == "function" else {"type": "function", "function": dict(t["function"])}
-    if not isinstance(t.get("name"), str):
+    f = t["function"] if isinstance(t.get("function"), Mapping) else t
+    if not isinstance(f.get("name"), str):
         return None
-    fn: dict[str, Any] = {"name": t["name"]}
-    if t.get("description") is not None:
-        fn["description"] = t["description"]
-    params = t.get("parameters", t.get("inputSchema", t.get("input_schema")))
+    # one key order (name, description, parameters), whatever came in: the schema is rendered as JSON text
+    fn: dict[str, Any] = {"name": f["name"]}
+    if f.get("description") is not None:
+        fn["description"] = f["description"]
+    params = f.get("parameters", f.get("inputSchema", f.get("input_schema")))
     fn["parameters"] = _json(params) if params is not None else {"type": "object", "properties": {}}
     return {"type": "function", "function": fn}
 
@@ -281,7 +281,7 @@ def from_record(rec: Mapping[str, Any]) -> FamilyRecord:
     if turns is not None and "train_turns" not in meta:
         moved["train_turns"] = turns
     if moved or (raw_meta is not None and not isinstance(raw_meta, str)):
-        metadata = json.dumps({**meta, **moved}, ensure_ascii=False, sort_keys=True) if (meta or moved) else None
+        metadata = json.dumps({**meta, **moved}, ensure_ascii=False) if (meta or moved) else None
     else:
         metadata = raw_meta  # a string kept byte for byte (v1)
     rid = _first(rec.get("uuid"), rec.get("id"))
