@@ -121,7 +121,7 @@ def _read_indexed(spark: SparkSession, files: list[str]) -> DataFrame:
 def _first_of_role(conv: Column, role: str) -> Column:
     from pyspark.sql import functions as F
 
-    return F.element_at(F.filter(conv, lambda m: F.lower(m["role"]) == role), 1)["content"]
+    return F.try_element_at(F.filter(conv, lambda m: F.lower(m["role"]) == role), F.lit(1))["content"]
 
 
 def _codeforces_text(df: DataFrame) -> Column:

@@ -309,3 +309,13 @@ def test_rows_without_flags_train_every_assistant_turn_under_dataset_flags():
     r = tok.render(conv, "dataset_flags")
     assert r.targets == tok.render(conv, "all_assistant_turns").targets
     assert IGNORE_INDEX == -100
+
+
+def test_bundled_family_sample_is_what_its_generator_writes(tmp_path):
+    sf.write(tmp_path)
+    for name in sf.FAMILY_FILES:
+        rel = Path("nemotron_sft") / "data" / f"{name}.jsonl"
+        assert (tmp_path / rel).read_bytes() == (SAMPLE / rel).read_bytes(), name
+    assert (tmp_path / "seeds/taco/train.jsonl").read_bytes() == (SAMPLE / "seeds/taco/train.jsonl").read_bytes()
+    wild = "seeds/wildchat/data/train-00000-of-00001.parquet"
+    assert pq.read_table(tmp_path / wild).equals(pq.read_table(SAMPLE / wild))
