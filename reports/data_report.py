@@ -172,6 +172,7 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
         packing_by_split={s: v.get("packing_efficiency") for s, v in splits.items()},
         example=example, example_split=example_split,
         source_splits=source_split_rows(en, tr), prompt_sources=en.extra.get("prompt_sources") or {},
+        withheld_without_key=int((en.counts.get("rejected") or {}).get("prompt_withheld", 0)),
     )
 
 

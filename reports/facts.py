@@ -80,10 +80,14 @@ class ReportFacts:
     # per input split (issue 28): enrich's rows in / rejects, the filter's rejects and seq_len fit
     source_splits: dict[str, dict[str, Any]] = field(default_factory=dict)
     prompt_sources: dict[str, dict[str, Any]] = field(default_factory=dict)  # enrich's restored / unrestorable
+    withheld_without_key: int = 0  # enrich's prompt_withheld rejects: no seed key (v1 "-" / empty prompts)
 
     def to_extra(self) -> dict[str, Any]:
         return {"headline": asdict(self.headline), "dataset_version": self.dataset_version,
-                "thresholds": self.thresholds, "near_duplicates_shown": len(self.near_duplicates)}
+                "thresholds": self.thresholds, "near_duplicates_shown": len(self.near_duplicates),
+                "source_splits": self.source_splits, "withheld_without_key": self.withheld_without_key,
+                "prompt_sources": {k: {"restored": v.get("restored", 0), "unrestorable": v.get("unrestorable", 0)}
+                                   for k, v in self.prompt_sources.items()}}
 
 
 def source_split_rows(enriched: Manifest, train_ready: Manifest) -> dict[str, dict[str, Any]]:

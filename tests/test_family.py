@@ -319,3 +319,25 @@ def test_bundled_family_sample_is_what_its_generator_writes(tmp_path):
     assert (tmp_path / "seeds/taco/train.jsonl").read_bytes() == (SAMPLE / "seeds/taco/train.jsonl").read_bytes()
     wild = "seeds/wildchat/data/train-00000-of-00001.parquet"
     assert pq.read_table(tmp_path / wild).equals(pq.read_table(SAMPLE / wild))
+
+
+def test_jsonl_line_numbers_hold_across_file_splits(spark, tmp_path):
+    from spark_jobs.readers import numbered_lines
+
+    lines = [json.dumps({"n": i, "pad": "x" * (i * 37 % 300)}) for i in range(1, 301)]
+    lines[41] = ""  # a blank line still counts as a line
+    for name in ("a-00000.jsonl", "b-00000.jsonl"):
+        (tmp_path / name).write_text("\n".join(lines) + "\n")
+    files = [uris.qualify(tmp_path / n) for n in ("a-00000.jsonl", "b-00000.jsonl")]
+    spark.conf.set("spark.sql.files.maxPartitionBytes", "4096")  # ~20 splits per file, interleaved in tasks
+    spark.conf.set("spark.sql.files.openCostInBytes", "0")
+    try:
+        got = numbered_lines(spark, files).collect()
+    finally:
+        spark.conf.unset("spark.sql.files.maxPartitionBytes")
+        spark.conf.unset("spark.sql.files.openCostInBytes")
+    assert len(got) == 600
+    for r in got:
+        path, _, line = r["_where"].rpartition(":")
+        assert r["value"] == lines[int(line) - 1], r["_where"]
+        assert r["split"] == path.rpartition("/")[2][0]
