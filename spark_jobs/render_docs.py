@@ -8,8 +8,8 @@ a record with per-turn flags and `train_on_reasoning` can train several document
 (`conversation.build_documents`); its first output row (`doc` 0) is the whole conversation and
 carries the record's accounting (`len_with_reasoning` / `len_without_reasoning`: the tokens of the
 whole conversation rendered with and without its final reasoning, for the per-split length fit),
-its prefix documents follow as `doc` 1, 2, ... with keys of their own. A record whose any document
-fails is rejected whole.
+its prefix documents follow as `doc` 1, 2, ... under the same key (packing orders by key, doc). A
+record any of whose documents fails is rejected whole.
 
 `prompt_context: relevant`: before rendering, a system prompt or tool result longer than
 `relevant_context_tokens` is replaced, inside the same turn, by its `relevant_top_k` units with the
@@ -20,7 +20,6 @@ serving does not have), in their original order and verbatim (code blocks, JSON,
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -66,13 +65,6 @@ def _raw(rec, detail: str) -> str:
                       ensure_ascii=False)
 
 
-def doc_key(key: int, doc: int) -> int:
-    """A prefix document's packing key: stable, its own (doc 0 keeps the row's key)."""
-    if doc == 0:
-        return int(key)
-    return int.from_bytes(hashlib.sha256(f"{key}:{doc}".encode()).digest()[:8], "big", signed=True)
-
-
 def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection) -> Iterator[pd.DataFrame]:
     tok = load_tokenizer(fcfg.tokenizer)
     opts = conversation_options(fcfg)
@@ -109,7 +101,7 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection) -> I
                     reason, raw, docs = got[0], _raw(rec, got[1]), []
             for j, doc in enumerate(docs or [None]):
                 out["id"].append(rec.id)
-                out["key"].append(doc_key(rec.key, j))
+                out["key"].append(rec.key)  # the record's; (key, doc) orders its documents
                 out["split"].append(rec.split)
                 out["input_ids"].append(doc.input_ids if doc else None)
                 out["labels"].append(doc.labels if doc else None)

@@ -195,8 +195,9 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
         n_docs, doc_tokens = (row["docs"], int(row["tokens"])) if row else (0, 0)
         with timer.step(f"pack {split}") as info:
             n_parts = max(1, math.ceil(doc_tokens / fcfg.shard_tokens))
-            part = (docs.filter((F.col("split") == split) & F.col("reason").isNull()).select("key", "input_ids", "labels")
-                    .repartition(n_parts, "key").sortWithinPartitions("key"))
+            part = (docs.filter((F.col("split") == split) & F.col("reason").isNull())
+                    .select("key", "doc", "input_ids", "labels")
+                    .repartition(n_parts, "key").sortWithinPartitions("key", "doc"))
             files = write_parquet(part.mapInPandas(lambda it: pack_partitions(it, seq_len, pad_id, buffer_docs), ROW_SCHEMA),
                                   uris.qualify(staging / "data" / split))
             n_rows = parquet_rows(files)
