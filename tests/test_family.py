@@ -341,3 +341,21 @@ def test_jsonl_line_numbers_hold_across_file_splits(spark, tmp_path):
         path, _, line = r["_where"].rpartition(":")
         assert r["value"] == lines[int(line) - 1], r["_where"]
         assert r["split"] == path.rpartition("/")[2][0]
+
+
+def test_rows_of_one_seed_conversation_share_the_split_key_and_differ_for_dedup():
+    from spark_jobs.filter_rows import conversation_keys
+
+    by_id = {r["uuid"]: r for r in records("chat")}
+    keys = {}
+    for rid in ("sft-chat-flags", "sft-chat-prefix", "sft-chat-0"):
+        f = family.from_record(by_id[rid])
+        msgs = family.restore_messages(f.messages, "restored prompt", None)
+        keys[rid] = conversation_keys(json.dumps(msgs), f.metadata, "on", FLAGS)
+    assert keys["sft-chat-flags"][0] == keys["sft-chat-prefix"][0] != keys["sft-chat-0"][0]
+    assert keys["sft-chat-flags"][1] != keys["sft-chat-prefix"][1]
+    # same messages, other flags: not an exact duplicate (each trains other turns)
+    f = family.from_record(by_id["sft-chat-flags"])
+    msgs = json.dumps(family.restore_messages(f.messages, "p", None))
+    other = json.dumps({**json.loads(f.metadata), "train_turns": [False, False, False, False, True]})
+    assert conversation_keys(msgs, f.metadata, "on", FLAGS)[1] != conversation_keys(msgs, other, "on", FLAGS)[1]
