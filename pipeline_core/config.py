@@ -14,11 +14,13 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticUndefined
 
 from pipeline_core import uris
 
@@ -51,34 +53,77 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names each offending field."""
 
 
+class Role(StrEnum):
+    """What a setting is, declared once on each field (`content(...)` / `execution(...)`); every
+    classification elsewhere (artifact hashes, the resume contract, the trigger allowlist, the config
+    reference in docs/config.md) is derived from these declarations."""
+
+    CONTENT = "content"  # decides what is computed: hashed into artifact ids, must match on resume
+    EXECUTION = "execution"  # decides only how it runs: never hashed, free to change on resume
+
+
+def _setting(role: Role, default: Any, trigger: bool, kw: dict[str, Any]) -> Any:
+    return Field(default, json_schema_extra={"role": role.value, "trigger": trigger}, **kw)
+
+
+def content(default: Any = PydanticUndefined, *, trigger: bool = False, **kw: Any) -> Any:
+    """A field that decides what a stage or run computes. `trigger=True`: a trigger may set it through
+    `config_overrides` (only settings that cannot redirect I/O, credentials or code)."""
+    return _setting(Role.CONTENT, default, trigger, kw)
+
+
+def execution(default: Any = PydanticUndefined, *, trigger: bool = False, **kw: Any) -> Any:
+    """A field that decides only how a stage or run executes (resources, timeouts, kernels, I/O)."""
+    return _setting(Role.EXECUTION, default, trigger, kw)
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    @classmethod
+    def role_of(cls, name: str) -> Role | None:
+        """The field's declared role; None when it was declared without one (a test refuses that)."""
+        extra = cls.model_fields[name].json_schema_extra
+        return Role(extra["role"]) if isinstance(extra, dict) and "role" in extra else None
+
+    @classmethod
+    def fields_of(cls, role: Role) -> frozenset[str]:
+        return frozenset(n for n in cls.model_fields if cls.role_of(n) is role)
+
+    @classmethod
+    def trigger_fields(cls) -> frozenset[str]:
+        return frozenset(n for n, f in cls.model_fields.items()
+                         if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("trigger") is True)
+
+    def content_settings(self) -> dict[str, Any]:
+        """The section without its execution-only fields: what artifact ids hash."""
+        return self.model_dump(mode="json", exclude=set(type(self).fields_of(Role.EXECUTION)))
 
 
 class PipelineSection(Section):
     """Where data comes from and where every artifact goes."""
 
-    dataset_version: str = Field("sample", description="Version label; artifacts live under datasets/<version>/")
-    source_uri: str = Field(
+    dataset_version: str = execution("sample", description="Version label; artifacts live under datasets/<version>/")
+    source_uri: str = content(
         default_factory=lambda: uris.qualify(PROJECT_ROOT / "sample_data" / "nemotron_v1"),
         description="Raw Nemotron records: file://, s3:// URI or hf://datasets/<repo-id>",
     )
-    store_uri: str = Field(
+    store_uri: str = execution(
         default_factory=lambda: uris.qualify(PROJECT_ROOT / ".store"),
         description="Root of the object store (file:// directory or s3://bucket/prefix)",
     )
-    run_id: str | None = Field(None, description="Training run id; runs/<run_id>/ (default: derived per run)")
-    staging_uri: str = Field(
+    run_id: str | None = execution(None, description="Training run id; runs/<run_id>/ (default: derived per run)")
+    staging_uri: str = execution(
         default_factory=lambda: uris.qualify(PROJECT_ROOT / ".cache" / "staging"),
         description="Shared file system where Spark and the trainer write before publishing",
     )
-    staging_ttl_s: float = Field(
+    staging_ttl_s: float = execution(
         600.0, ge=5.0,
         description="A Spark stage attempt refreshes its staging heartbeat every ttl/6 s; a later attempt of the "
                     "same artifact sweeps a dead one's staging (owner process gone on this host, or no heartbeat "
                     "from another host for this long)",
     )
-    max_reject_ratio: float = Field(
+    max_reject_ratio: float = execution(
         0.5, ge=0.0, le=1.0,
         description="A Spark stage whose rejects exceed this share of its input fails (with counts) instead of committing",
     )
@@ -109,29 +154,29 @@ class PipelineSection(Section):
 class StorageSection(Section):
     """S3 client settings (ignored by the local-directory backend)."""
 
-    endpoint_url: str | None = Field(None, description="S3-compatible endpoint, e.g. http://minio:9000")
-    region: str = "us-east-1"
-    addressing_style: Literal["path", "virtual", "auto"] = "path"
-    aws_conn_id: str | None = Field(None, description="Airflow connection holding credentials (else environment)")
-    multipart_threshold_mb: int = Field(64, ge=5, le=5120)
-    multipart_chunksize_mb: int = Field(16, ge=5, le=5120)
-    max_concurrency: int = Field(8, ge=1, le=64)
-    max_attempts: int = Field(8, ge=1, le=20, description="Attempts per request on throttling / 5xx")
-    connect_timeout_s: float = Field(10, gt=0, le=300)
-    read_timeout_s: float = Field(120, gt=0, le=3600)
-    credentials_refresh_s: int = Field(
+    endpoint_url: str | None = execution(None, description="S3-compatible endpoint, e.g. http://minio:9000")
+    region: str = execution("us-east-1")
+    addressing_style: Literal["path", "virtual", "auto"] = execution("path")
+    aws_conn_id: str | None = execution(None, description="Airflow connection holding credentials (else environment)")
+    multipart_threshold_mb: int = execution(64, ge=5, le=5120)
+    multipart_chunksize_mb: int = execution(16, ge=5, le=5120)
+    max_concurrency: int = execution(8, ge=1, le=64)
+    max_attempts: int = execution(8, ge=1, le=20, description="Attempts per request on throttling / 5xx")
+    connect_timeout_s: float = execution(10, gt=0, le=300)
+    read_timeout_s: float = execution(120, gt=0, le=3600)
+    credentials_refresh_s: int = execution(
         900, ge=0, le=86_400, description="Rebuild S3 clients (re-reading static credentials) at least this often; 0 = never"
     )
 
 
 class SparkStageSection(Section):
-    """Settings of a Spark stage that say how it runs, not what it computes (see layout.EXECUTION_ONLY)."""
+    """Settings every Spark stage has: how it runs, not what it computes (all execution-only)."""
 
-    spark_master: str = "local[*]"
-    shuffle_partitions: int = Field(
+    spark_master: str = execution("local[*]")
+    shuffle_partitions: int = execution(
         0, ge=0, le=100_000,
-        description="0 = from the row count and the task slots Spark reports (spark_jobs/partitioning.py)")
-    spark_conf: dict[str, str] = Field(default_factory=dict, description="extra Spark settings (spark.* keys)")
+        description="0 = from the row count and the task slots Spark reports (spark_jobs/partitioning.py)", trigger=True)
+    spark_conf: dict[str, str] = execution(default_factory=dict, description="extra Spark settings (spark.* keys)")
 
     @field_validator("spark_conf")
     @classmethod
@@ -145,34 +190,34 @@ class SparkStageSection(Section):
 class EnrichSection(SparkStageSection):
     """Spark enrichment: normalisation, sentences, embeddings, similarities."""
 
-    splits: list[str] = Field(default_factory=lambda: list(NEMOTRON_SPLITS))
-    input_format: Literal["auto", "parquet", "jsonl"] = "auto"
-    reasoning: Literal["separate", "drop", "inline"] = Field(
-        "separate", description="<think> trace: kept apart in reasoning_trace, dropped, or left in the answer"
+    splits: list[str] = content(default_factory=lambda: list(NEMOTRON_SPLITS), trigger=True)
+    input_format: Literal["auto", "parquet", "jsonl"] = content("auto", trigger=True)
+    reasoning: Literal["separate", "drop", "inline"] = content(
+        "separate", description="<think> trace: kept apart in reasoning_trace, dropped, or left in the answer", trigger=True
     )
-    embedding_model: str = Field("all-MiniLM-L6-v2", description="sentence-transformers model path or id")
-    embedding_batch_size: int = Field(64, ge=1, le=16_384, description="max texts per forward pass")
-    embedding_device: str = Field(
+    embedding_model: str = content("all-MiniLM-L6-v2", description="sentence-transformers model path or id")
+    embedding_batch_size: int = execution(64, ge=1, le=16_384, description="max texts per forward pass")
+    embedding_device: str = execution(
         "auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
         description="auto: the GPU Spark assigned to the task, else CUDA when present, else CPU")
-    embedding_precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+    embedding_precision: Literal["auto", "fp32", "fp16", "bf16"] = content(
         "auto", description="auto = fp16 on a GPU, fp32 on a CPU (fp16/bf16 refused on a CPU)")
-    embedding_batch_tokens: int = Field(0, ge=0, le=4_194_304,
+    embedding_batch_tokens: int = execution(0, ge=0, le=4_194_304,
                                         description="padded tokens per forward; 0 = 8192 on CPU, 131072 on GPU")
-    embedding_long_text: Literal["truncate", "chunk_mean"] = Field(
+    embedding_long_text: Literal["truncate", "chunk_mean"] = content(
         "chunk_mean", description="texts over the model window: first window only, or mean of window-sized chunks")
-    embedding_max_chunks: int = Field(8, ge=1, le=256, description="chunk_mean: at most this many windows per text")
-    embedding_tokenizer_threads: int = Field(0, ge=0, le=256, description="tokenizer threads per task; 0 = spark.task.cpus")
-    max_context_sentences: int = Field(256, ge=1, le=100_000)
-    max_sentence_chars: int = Field(2000, ge=16, le=100_000)
-    top_k: int = Field(5, ge=1, le=1000)
-    relevance_threshold: float = Field(0.2, ge=-1.0, le=1.0)
-    question_weight: float = Field(0.5, ge=0.0, le=1.0)
-    answer_weight: float = Field(0.5, ge=0.0, le=1.0)
-    embedding_threads: int = Field(0, ge=0, le=256, description="torch threads per Spark task; 0 = spark.task.cpus")
-    arrow_batch_rows: int = Field(512, ge=1, le=100_000, description="records per Arrow batch into the UDFs")
+    embedding_max_chunks: int = content(8, ge=1, le=256, description="chunk_mean: at most this many windows per text")
+    embedding_tokenizer_threads: int = execution(0, ge=0, le=256, description="tokenizer threads per task; 0 = spark.task.cpus")
+    max_context_sentences: int = content(256, ge=1, le=100_000, trigger=True)
+    max_sentence_chars: int = content(2000, ge=16, le=100_000, trigger=True)
+    top_k: int = content(5, ge=1, le=1000, trigger=True)
+    relevance_threshold: float = content(0.2, ge=-1.0, le=1.0, trigger=True)
+    question_weight: float = content(0.5, ge=0.0, le=1.0, trigger=True)
+    answer_weight: float = content(0.5, ge=0.0, le=1.0, trigger=True)
+    embedding_threads: int = execution(0, ge=0, le=256, description="torch threads per Spark task; 0 = spark.task.cpus")
+    arrow_batch_rows: int = execution(512, ge=1, le=100_000, description="records per Arrow batch into the UDFs")
     # -- the Nemotron family (issue 28; docs/data-sources.md)
-    prompt_sources: dict[str, str] = Field(
+    prompt_sources: dict[str, str] = content(
         default_factory=dict,
         description="seed dataset hub id -> URI of the user's copy (file://, s3://, hdfs://, hf://datasets/<id>), "
         "e.g. {'allenai/WildChat-1M': 's3://bucket/seeds/wildchat'}: withheld prompts are re-joined from it")
@@ -210,70 +255,70 @@ class EnrichSection(SparkStageSection):
 class FilterSection(SparkStageSection):
     """Similarity filter, deduplication, split, tokenize and pack (spark_jobs/similarity_filter.py)."""
 
-    arrow_batch_rows: int = Field(2048, ge=1, le=100_000, description="records per Arrow batch into the tokenizer")
-    min_qa_similarity: float = Field(0.2, ge=-1.0, le=1.0, description="Drop pairs with question-answer cosine below this")
-    exact_dedup: bool = Field(True, description="Drop exact duplicates (hash of normalised prompt and answer text)")
-    near_dup_threshold: float | None = Field(
+    arrow_batch_rows: int = execution(2048, ge=1, le=100_000, description="records per Arrow batch into the tokenizer")
+    min_qa_similarity: float = content(0.2, ge=-1.0, le=1.0, description="Drop pairs with question-answer cosine below this", trigger=True)
+    exact_dedup: bool = content(True, description="Drop exact duplicates (hash of normalised prompt and answer text)", trigger=True)
+    near_dup_threshold: float | None = content(
         0.9, ge=0.5, le=1.0,
-        description="Near duplicates: mean of question and answer cosine >= this (null = off); paraphrases score ~0.92-0.98",
+        description="Near duplicates: mean of question and answer cosine >= this (null = off); paraphrases score ~0.92-0.98", trigger=True,
     )
-    lsh_bands: int = Field(48, ge=1, le=512, description="LSH bands (more = higher recall, more candidates)")
-    lsh_min_band_matches: int = Field(2, ge=1, le=512, description="Bands two records must share to be compared")
-    lsh_rows_per_band: int = Field(16, ge=1, le=62, description="Sign bits per band (more = fewer, purer candidates)")
-    lsh_max_leaders: int = Field(32, ge=1, le=100_000, description="Per bucket, members are compared with this many smallest keys")
-    lsh_seed: int = 0
-    near_dup_method: Literal["cluster", "lsh"] = Field(
-        "cluster", description="cluster: k-means first, exact cosine inside clusters (recall independent of N); lsh")
-    near_dup_cluster_size: int = Field(2000, ge=16, le=1_000_000, description="target rows per k-means cluster")
-    near_dup_probes: int = Field(2, ge=1, le=16, description="clusters a row may join (boundary pairs)")
-    near_dup_probe_margin: float = Field(0.05, ge=0.0, le=2.0, description="join a further cluster within this cosine")
-    near_dup_max_cluster_factor: float = Field(
-        4.0, ge=1.5, le=1000.0, description="split a k-means cluster estimated above this x near_dup_cluster_size rows")
-    near_dup_split_rounds: int = Field(3, ge=0, le=8, description="rounds of splitting oversized clusters (0 = never)")
-    near_dup_coarse_probes: int = Field(
+    lsh_bands: int = content(48, ge=1, le=512, description="LSH bands (more = higher recall, more candidates)", trigger=True)
+    lsh_min_band_matches: int = content(2, ge=1, le=512, description="Bands two records must share to be compared", trigger=True)
+    lsh_rows_per_band: int = content(16, ge=1, le=62, description="Sign bits per band (more = fewer, purer candidates)", trigger=True)
+    lsh_max_leaders: int = content(32, ge=1, le=100_000, description="Per bucket, members are compared with this many smallest keys", trigger=True)
+    lsh_seed: int = content(0, trigger=True)
+    near_dup_method: Literal["cluster", "lsh"] = content(
+        "cluster", description="cluster: k-means first, exact cosine inside clusters (recall independent of N); lsh", trigger=True)
+    near_dup_cluster_size: int = content(2000, ge=16, le=1_000_000, description="target rows per k-means cluster", trigger=True)
+    near_dup_probes: int = content(2, ge=1, le=16, description="clusters a row may join (boundary pairs)", trigger=True)
+    near_dup_probe_margin: float = content(0.05, ge=0.0, le=2.0, description="join a further cluster within this cosine", trigger=True)
+    near_dup_max_cluster_factor: float = content(
+        4.0, ge=1.5, le=1000.0, description="split a k-means cluster estimated above this x near_dup_cluster_size rows", trigger=True)
+    near_dup_split_rounds: int = content(3, ge=0, le=8, description="rounds of splitting oversized clusters (0 = never)", trigger=True)
+    near_dup_coarse_probes: int = content(
         8, ge=0, le=4096, description="centroid index: coarse lists scored per row (about sqrt(clusters) "
-        "centroids each); 0 = score every centroid (exact, O(rows x clusters))")
-    near_dup_recall_sample: int = Field(2000, ge=0, le=1_000_000,
+        "centroids each); 0 = score every centroid (exact, O(rows x clusters))", trigger=True)
+    near_dup_recall_sample: int = execution(2000, ge=0, le=1_000_000,
                                         description="rows checked by brute force for the measured recall (0 = off)")
-    min_answer_tokens: int = Field(1, ge=0, description="Drop answers shorter than this (tokens, without </s>)")
-    max_tokens: int = Field(4096, ge=8, description="Drop records whose prompt + answer exceeds this (tokens)")
-    val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Share of prompts (all their answers) in the validation split")
-    seq_len: int = Field(1024, ge=32, le=131_072, description="Tokens per packed row; must equal train.seq_len")
-    tokenizer: str = Field("mistral-v1", description="'mistral-v1', 'mistral-v3', or an HF tokenizer path/id")
-    overflow: Literal["truncate", "reject"] = Field(
-        "reject", description="A record longer than seq_len: reject it, or cut its answer's tail (counted)"
+    min_answer_tokens: int = content(1, ge=0, description="Drop answers shorter than this (tokens, without </s>)", trigger=True)
+    max_tokens: int = content(4096, ge=8, description="Drop records whose prompt + answer exceeds this (tokens)", trigger=True)
+    val_fraction: float = content(0.05, ge=0.0, lt=1.0, description="Share of prompts (all their answers) in the validation split", trigger=True)
+    seq_len: int = content(1024, ge=32, le=131_072, description="Tokens per packed row; must equal train.seq_len", trigger=True)
+    tokenizer: str = content("mistral-v1", description="'mistral-v1', 'mistral-v3', or an HF tokenizer path/id")
+    overflow: Literal["truncate", "reject"] = content(
+        "reject", description="A record longer than seq_len: reject it, or cut its answer's tail (counted)", trigger=True
     )
-    train_on_reasoning: bool = Field(
-        False, description="Train the final answer's <think> trace (and mark the mode in the system prompt); else the visible answer"
+    train_on_reasoning: bool = content(
+        False, description="Train the final answer's <think> trace (and mark the mode in the system prompt); else the visible answer", trigger=True
     )
-    reasoning_marker_on: str = Field("/think", description="With train_on_reasoning: system-prompt marker of reasoning-on records")
-    reasoning_marker_off: str = Field("/no_think", description="With train_on_reasoning: marker of reasoning-off records")
-    train_on: Literal["dataset_flags", "all_assistant_turns", "last_assistant_turn"] = Field(
+    reasoning_marker_on: str = content("/think", description="With train_on_reasoning: system-prompt marker of reasoning-on records", trigger=True)
+    reasoning_marker_off: str = content("/no_think", description="With train_on_reasoning: marker of reasoning-off records", trigger=True)
+    train_on: Literal["dataset_flags", "all_assistant_turns", "last_assistant_turn"] = content(
         "dataset_flags", description="Which assistant turns carry the loss (prompt, system and tool results never do); "
-        "dataset_flags: the record's metadata.train_turns where it has them, else every assistant turn"
+        "dataset_flags: the record's metadata.train_turns where it has them, else every assistant turn", trigger=True
     )
-    prompt_context: Literal["conversation", "relevant"] = Field(
+    prompt_context: Literal["conversation", "relevant"] = content(
         "conversation",
         description="conversation: every turn verbatim; relevant: system prompts / tool results over "
-        "relevant_context_tokens become their top relevant units (by similarity to the question), in order",
+        "relevant_context_tokens become their top relevant units (by similarity to the question), in order", trigger=True,
     )
-    relevant_context_tokens: int = Field(
-        512, ge=1, description="prompt_context=relevant: a system prompt or tool result longer than this (tokens) is reduced"
+    relevant_context_tokens: int = content(
+        512, ge=1, description="prompt_context=relevant: a system prompt or tool result longer than this (tokens) is reduced", trigger=True
     )
-    relevant_top_k: int = Field(5, ge=1, le=1000, description="prompt_context=relevant: units kept per reduced turn")
+    relevant_top_k: int = content(5, ge=1, le=1000, description="prompt_context=relevant: units kept per reduced turn", trigger=True)
     # -- the Nemotron family (issue 28; docs/data-sources.md)
-    identity_patterns: list[str] = Field(
+    identity_patterns: list[str] = content(
         default_factory=lambda: list(DEFAULT_IDENTITY_PATTERNS),
         description="Regexes (case-insensitive) of another model's or lab's self-identification, matched in "
         "answers and reasoning; [] = off")
-    identity_action: Literal["reject", "keep"] = Field(
-        "reject", description="A record matching identity_patterns: rejected (identity_mismatch) or kept (counted)")
-    licenses: list[str] | None = Field(
-        None, description="Allowed `license` values (null = all); others are rejected as license_excluded")
-    val_max_documents: int = Field(20_000, ge=1, description="Cap on validation documents (the rest of val is dropped, counted)")
-    seed: int = Field(1234, description="Seed of the train/val split hash")
-    pack_buffer_docs: int = Field(20_000, ge=1, le=10_000_000, description="Documents packed together (best-fit decreasing)")
-    shard_tokens: int = Field(1 << 25, ge=1024, description="Target tokens per output parquet file")
+    identity_action: Literal["reject", "keep"] = content(
+        "reject", description="A record matching identity_patterns: rejected (identity_mismatch) or kept (counted)", trigger=True)
+    licenses: list[str] | None = content(
+        None, description="Allowed `license` values (null = all); others are rejected as license_excluded", trigger=True)
+    val_max_documents: int = content(20_000, ge=1, description="Cap on validation documents (the rest of val is dropped, counted)", trigger=True)
+    seed: int = content(1234, description="Seed of the train/val split hash", trigger=True)
+    pack_buffer_docs: int = content(20_000, ge=1, le=10_000_000, description="Documents packed together (best-fit decreasing)", trigger=True)
+    shard_tokens: int = content(1 << 25, ge=1024, description="Target tokens per output parquet file", trigger=True)
 
     @field_validator("identity_patterns")
     @classmethod
@@ -296,97 +341,97 @@ class TrainSection(Section):
     """DeepSpeed pipeline training (training/train.py). Batch-shape and optimiser fields here
     override the matching entries of the DeepSpeed config file (`ds_config`)."""
 
-    base_model: str = Field("tiny", description="'tiny' (embedded), an HF model directory, or a hub id")
-    pipeline_stages: int = Field(2, ge=1, le=256, description="Pipeline-parallel degree; must divide the world size")
-    partition_method: str = Field(
-        "type:DecoderLayerPipe", description="DeepSpeed partition method: parameters, uniform or type:<regex>"
+    base_model: str = content("tiny", description="'tiny' (embedded), an HF model directory, or a hub id")
+    pipeline_stages: int = content(2, ge=1, le=256, description="Pipeline-parallel degree; must divide the world size", trigger=True)
+    partition_method: str = content(
+        "type:DecoderLayerPipe", description="DeepSpeed partition method: parameters, uniform or type:<regex>", trigger=True
     )
-    seq_len: int = Field(1024, ge=32, le=131_072, description="Must equal the train-ready artifact's sequence length")
-    micro_batch_size: int = Field(1, ge=1, le=1024)
-    gradient_accumulation_steps: int = Field(4, ge=1, le=4096)
-    global_batch_size: int | None = Field(
+    seq_len: int = content(1024, ge=32, le=131_072, description="Must equal the train-ready artifact's sequence length", trigger=True)
+    micro_batch_size: int = content(1, ge=1, le=1024, trigger=True)
+    gradient_accumulation_steps: int = content(4, ge=1, le=4096, trigger=True)
+    global_batch_size: int | None = content(
         None, ge=1, description="Sequences per optimizer step, fixed whatever the GPU count: gradient accumulation "
         "= global_batch_size / (micro_batch_size x data-parallel ranks), refused when it does not divide; "
-        "None = use gradient_accumulation_steps")
-    steps: int = Field(20, ge=1, description="Optimizer steps for the whole run (resumes continue to this)")
-    learning_rate: float = Field(1e-4, gt=0, le=1.0)
-    warmup_steps: int = Field(2, ge=1, description="Linear warm-up steps (DeepSpeed's WarmupLR needs at least 1)")
-    checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints (the last step always saves one)")
-    keep_last: int = Field(2, ge=1, le=1000, description="Checkpoints kept in the store")
-    seed: int = 1234
-    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "None = use gradient_accumulation_steps", trigger=True)
+    steps: int = execution(20, ge=1, description="Optimizer steps for the whole run (resumes continue to this)", trigger=True)
+    learning_rate: float = content(1e-4, gt=0, le=1.0, trigger=True)
+    warmup_steps: int = content(2, ge=1, description="Linear warm-up steps (DeepSpeed's WarmupLR needs at least 1)", trigger=True)
+    checkpoint_every: int = execution(10, ge=1, description="Steps between checkpoints (the last step always saves one)", trigger=True)
+    keep_last: int = execution(2, ge=1, le=1000, description="Checkpoints kept in the store", trigger=True)
+    seed: int = content(1234, trigger=True)
+    precision: Literal["auto", "bf16", "fp32"] = content(
         "auto", description="bf16 mixed precision (fp32 master weights) or full fp32; auto: bf16 on a GPU that has it "
-        "and on CPUs with bf16 instructions, else fp32 (bf16 on a CPU without them is ~8x slower)"
+        "and on CPUs with bf16 instructions, else fp32 (bf16 on a CPU without them is ~8x slower)", trigger=True
     )
-    grad_accum_dtype: Literal["fp32", "bf16"] = Field(
+    grad_accum_dtype: Literal["fp32", "bf16"] = content(
         "fp32", description="dtype gradients are accumulated and reduced in under bf16 (fp32: DeepSpeed's "
         "pipeline-aware BF16 optimizer, needs ZeRO stage 1; bf16 saves 2 bytes/parameter, loses precision)"
     )
-    attention_backend: Literal["auto", "sdpa", "flex", "flash_varlen", "torch_varlen"] = Field(
+    attention_backend: Literal["auto", "sdpa", "flex", "flash_varlen", "torch_varlen"] = execution(
         "auto", description="sdpa: exact dense mask (CPU); flex: flex-attention document mask; flash_varlen: flash-attn; "
         "torch_varlen: PyTorch's built-in FlashAttention-2 varlen kernel (GPU fast path, no extra package); "
         "auto: torch_varlen on a GPU, sdpa on CPU"
     )
-    fast_kernels: Literal["auto", "none", "liger"] = Field(
+    fast_kernels: Literal["auto", "none", "liger"] = execution(
         "auto", description="GPU only: 'liger' swaps in fused RMSNorm/SwiGLU/RoPE and a fused linear+cross-entropy "
         "loss (liger-kernel package); auto: liger on a GPU when importable (and verify_parity is off), else none"
     )
-    lr_schedule: Literal["linear", "cosine", "constant"] | None = Field(
+    lr_schedule: Literal["linear", "cosine", "constant"] | None = content(
         None, description="After the linear warm-up: linear decay to 0 (WarmupDecayLR), cosine decay "
         "(WarmupCosineLR) or constant (WarmupLR), DeepSpeed's own schedulers; None: the ds_config file's "
         "scheduler (the bundled one: linear)"
     )
-    eval_every: int = Field(0, ge=0, description="Steps between validations (0: only at the end); the best "
-                            "validation loss's checkpoint is tagged in the report")
-    max_bad_steps: int = Field(3, ge=1, description="Stop after this many non-finite steps in a row (each is skipped)")
-    io_timeout_s: int = Field(3600, ge=60, description="Timeout of the CPU side group the ranks wait on while rank 0 "
+    eval_every: int = execution(0, ge=0, description="Steps between validations (0: only at the end); the best "
+                            "validation loss's checkpoint is tagged in the report", trigger=True)
+    max_bad_steps: int = execution(3, ge=1, description="Stop after this many non-finite steps in a row (each is skipped)")
+    io_timeout_s: int = execution(3600, ge=60, description="Timeout of the CPU side group the ranks wait on while rank 0 "
                               "fetches the dataset, base weights and checkpoint (NCCL keeps its own short timeout)")
-    activation_checkpoint_interval: int = Field(0, ge=0, description="Decoder layers per checkpointed block; 0 = off")
-    compile_layers: bool = Field(
+    activation_checkpoint_interval: int = execution(0, ge=0, description="Decoder layers per checkpointed block; 0 = off", trigger=True)
+    compile_layers: bool = execution(
         False, description="GPU: torch.compile each decoder layer (regional compilation, one graph shared by all "
         "layers, as torchtitan does); Inductor then fuses RMSNorm/SwiGLU/RoPE itself, so Liger keeps only the "
         "fused loss. Costs a one-off compile at start")
-    sync_free_attention: bool = Field(
+    sync_free_attention: bool = execution(
         True, description="torch_varlen/flash_varlen: bound max_seqlen by the row length instead of reading the "
         "longest document back from the GPU every micro-batch (one host sync less; the kernel skips empty tiles)")
-    causal_rows_sdpa: bool = Field(
+    causal_rows_sdpa: bool = execution(
         True, description="torch_varlen: a micro-batch whose rows are each one whole document runs PyTorch SDPA "
         "(cuDNN/flash, transformers' own sdpa path) instead of the varlen kernel; on an H200 cuDNN's attention "
         "took 0.61 s of a step where FA2 varlen took 1.07 s (bench/RESULTS.md)")
-    fused_grad_accumulation: bool = Field(
+    fused_grad_accumulation: bool = execution(
         True, description="bf16 + grad_accum_dtype fp32: add each bf16 gradient into its fp32 buffer the moment "
         "backward produces it (DeepSpeed's bf16.immediate_grad_update), in one mixed-dtype kernel, and free the "
         "bf16 gradient: no bf16 accumulation, no fp32 temporary, 2 bytes/parameter less")
-    fused_wgrad_accumulation: bool = Field(
+    fused_wgrad_accumulation: bool = execution(
         True, description="bf16 + grad_accum_dtype fp32: the decoder layers' weight-gradient GEMMs accumulate "
         "straight into the fp32 gradient buffer (beta=1, Megatron's gradient_accumulation_fusion): no bf16 weight "
         "gradient, no separate add, no per-micro-batch bf16 rounding (+2.3% on an H200). Eager layers only: "
         "skipped with compile_layers, and FP8 layers compute their own weight gradient")
-    fp8: Literal["off", "tensorwise", "rowwise"] = Field(
+    fp8: Literal["off", "tensorwise", "rowwise"] = content(
         "off", description="GPU (sm_89+): the decoder layers' linear layers in float8 (torchao float8 training, "
         "dynamic tensorwise or rowwise scales; weights, master copy and optimizer unchanged). Fast only with "
         "compile_layers, which fuses the casts")
-    pin_memory: bool = Field(
+    pin_memory: bool = execution(
         True, description="GPU: micro-batches go host->device from pinned memory without blocking the host")
-    async_checkpoint: bool = Field(
+    async_checkpoint: bool = execution(
         True, description="Checkpoint saves snapshot the state to host memory and return; a background writer "
         "writes the files, then the upload starts (the manifest is still written last, after every rank's files)")
-    ds_config: str | None = Field(None, description="DeepSpeed JSON (path or file:// URI); default training/ds_config.json")
-    eval_batches: int = Field(8, ge=0, description="Validation micro-batches per data-parallel rank (0 = skip eval)")
-    verify_parity: bool = Field(
+    ds_config: str | None = content(None, description="DeepSpeed JSON (path or file:// URI); default training/ds_config.json")
+    eval_batches: int = execution(8, ge=0, description="Validation micro-batches per data-parallel rank (0 = skip eval)", trigger=True)
+    verify_parity: bool = execution(
         False, description="Compare pipeline logits with transformers' on a val batch before training and after export"
     )
-    parity_tolerance: float = Field(1e-5, gt=0, description="Max abs logit difference allowed by verify_parity")
-    peak_tflops: float | None = Field(None, gt=0, description="Per-device peak for MFU (default: known GPUs, else no MFU)")
-    max_failed_pushes: int = Field(
+    parity_tolerance: float = execution(1e-5, gt=0, description="Max abs logit difference allowed by verify_parity")
+    peak_tflops: float | None = execution(None, gt=0, description="Per-device peak for MFU (default: known GPUs, else no MFU)")
+    max_failed_pushes: int = execution(
         3, ge=1, le=100, description="Consecutive failed checkpoint pushes before training stops (local copies are kept)"
     )
-    max_pending_pushes: int = Field(2, ge=1, le=64, description="Saved checkpoints waiting for upload before a save waits")
-    push_backoff_s: float = Field(2.0, ge=0, le=600, description="First retry delay of a failed push (doubles, max 60 s)")
-    lease_ttl_s: float = Field(
+    max_pending_pushes: int = execution(2, ge=1, le=64, description="Saved checkpoints waiting for upload before a save waits")
+    push_backoff_s: float = execution(2.0, ge=0, le=600, description="First retry delay of a failed push (doubles, max 60 s)")
+    lease_ttl_s: float = execution(
         120, ge=2, le=3600, description="Run lease lifetime: a dead trainer's run can be resumed this long after it died"
     )
-    resume_across_changes: bool = Field(
+    resume_across_changes: bool = execution(
         False, description="Resume a checkpoint made with other train content settings or another input (deliberately)"
     )
 
@@ -429,13 +474,13 @@ class ReleaseSection(Section):
     """The gates between a dataset and a published model: a human approval before training
     (`require_approval`) and an evaluation before `models/LATEST` moves (docs/orchestration.md)."""
 
-    require_approval: bool = Field(False, description="Wait for a human Approve/Reject (with the data report) before training")
-    promote_tolerance: float = Field(
+    require_approval: bool = execution(False, description="Wait for a human Approve/Reject (with the data report) before training")
+    promote_tolerance: float = execution(
         0.0, ge=0.0, le=10.0,
         description="models/LATEST moves when the new val loss <= the current LATEST's on the same val rows + this")
-    force_promote: bool = Field(False, description="Move models/LATEST even when the new model evaluates worse")
-    eval_max_rows: int | None = Field(256, ge=1, description="Packed val rows both models are evaluated on (null = all)")
-    eval_device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="Where the promotion eval runs")
+    force_promote: bool = execution(False, description="Move models/LATEST even when the new model evaluates worse")
+    eval_max_rows: int | None = execution(256, ge=1, description="Packed val rows both models are evaluated on (null = all)")
+    eval_device: str = execution("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="Where the promotion eval runs")
 
 
 class Config(BaseModel):
@@ -460,6 +505,21 @@ class Config(BaseModel):
         tmp.write_text(yaml.safe_dump(self.model_dump(mode="json"), sort_keys=True))
         os.replace(tmp, p)
         return p
+
+
+def sections() -> dict[str, type[Section]]:
+    """Config section name -> its class."""
+    return {name: f.annotation for name, f in Config.model_fields.items()}  # type: ignore[misc]
+
+
+def trigger_overridable() -> frozenset[str]:
+    """`section.field` keys a trigger may set through `config_overrides` (declared with trigger=True)."""
+    return frozenset(f"{name}.{f}" for name, cls in sections().items() for f in cls.trigger_fields())
+
+
+def unclassified_fields() -> list[str]:
+    """`section.field` keys declared without a role (must be empty: tests/test_config_registry.py)."""
+    return [f"{name}.{f}" for name, cls in sections().items() for f in cls.model_fields if cls.role_of(f) is None]
 
 
 def stable_hash(obj: Any) -> str:
