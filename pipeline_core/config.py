@@ -35,6 +35,22 @@ SPLIT_NAME = re.compile(r"^[a-z0-9][a-z0-9_]{0,63}$")
 LOSSY_SPARK_SETTINGS = ("spark.sql.files.ignoreCorruptFiles", "spark.sql.files.ignoreMissingFiles")
 
 
+# Self-identification as another model or lab (filter.identity_patterns), word-bounded, matched
+# case-insensitively in answers and reasoning: "I am Qwen", "I'm Claude, made by Anthropic",
+# "developed by Google". A model named in passing ("search on Google") does not match.
+_SELF = r"\b(?:i am|i'm|my name is|i am called|call me)\s+(?:an? (?:ai |large |large language |language )?(?:model|assistant)\s+(?:called|named)\s+)?"
+_MADE = r"\b(?:developed|created|trained|built|made|designed|brought to you)\s+by\s+(?:the\s+)?"
+DEFAULT_IDENTITY_PATTERNS = (
+    _SELF + r"(?:qwen|tongyi(?: qianwen)?)\b", _MADE + r"(?:alibaba(?: cloud)?|tongyi lab|qwen team)\b",
+    _SELF + r"deepseek\b", _MADE + r"deepseek\b",
+    _SELF + r"(?:chatglm|glm(?:-\d+)?)\b", _MADE + r"(?:zhipu(?: ai)?|z\.ai)\b",
+    _SELF + r"(?:gemini|bard)\b", _MADE + r"google(?: deepmind)?\b",
+    _SELF + r"(?:chatgpt|gpt-?\d)", _MADE + r"openai\b",
+    _SELF + r"llama\b", _MADE + r"meta(?: ai)?\b",
+    _SELF + r"claude\b", _MADE + r"anthropic\b",
+)
+
+
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names each offending field."""
 
@@ -228,6 +244,22 @@ class EnrichSection(SparkStageSection):
     answer_weight: float = content(0.5, ge=0.0, le=1.0, trigger=True)
     embedding_threads: int = execution(0, ge=0, le=256, description="torch threads per Spark task; 0 = spark.task.cpus")
     arrow_batch_rows: int = execution(512, ge=1, le=100_000, description="records per Arrow batch into the UDFs")
+    # -- the Nemotron family (issue 28; docs/data-sources.md)
+    prompt_sources: dict[str, str] = content(
+        default_factory=dict,
+        description="seed dataset hub id -> URI of the user's copy (file://, s3://, hdfs://, hf://datasets/<id>), "
+        "e.g. {'allenai/WildChat-1M': 's3://bucket/seeds/wildchat'}: withheld prompts are re-joined from it")
+
+    @field_validator("prompt_sources")
+    @classmethod
+    def _prompt_sources(cls, v: dict[str, str]) -> dict[str, str]:
+        out = {}
+        for hub_id, uri in v.items():
+            parts = hub_id.split("/")
+            if len(parts) != 2 or not all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", p) for p in parts):
+                raise ValueError(f"key {hub_id!r} is not a hub dataset id <owner>/<name> (e.g. allenai/WildChat-1M)")
+            out[hub_id] = uri if uri.startswith("hf://datasets/") else uris.require_uri(uri, f"prompt_sources[{hub_id!r}]")
+        return out
 
     @field_validator("splits")
     @classmethod
@@ -336,8 +368,9 @@ class FilterSection(SparkStageSection):
     )
     reasoning_marker_on: str = content("/think", description="With train_on_reasoning: system-prompt marker of reasoning-on records", trigger=True)
     reasoning_marker_off: str = content("/no_think", description="With train_on_reasoning: marker of reasoning-off records", trigger=True)
-    train_on: Literal["all_assistant_turns", "last_assistant_turn"] = content(
-        "all_assistant_turns", description="Which assistant turns carry the loss (prompt, system and tool results never do)", trigger=True
+    train_on: Literal["dataset_flags", "all_assistant_turns", "last_assistant_turn"] = content(
+        "dataset_flags", description="Which assistant turns carry the loss (prompt, system and tool results never do); "
+        "dataset_flags: the record's metadata.train_turns where it has them, else every assistant turn", trigger=True
     )
     prompt_context: Literal["conversation", "relevant"] = content(
         "conversation",
@@ -348,6 +381,15 @@ class FilterSection(SparkStageSection):
         512, ge=1, description="prompt_context=relevant: a system prompt or tool result longer than this (tokens) is reduced", trigger=True
     )
     relevant_top_k: int = content(5, ge=1, le=1000, description="prompt_context=relevant: units kept per reduced turn", trigger=True)
+    # -- the Nemotron family (issue 28; docs/data-sources.md)
+    identity_patterns: list[str] = content(
+        default_factory=lambda: list(DEFAULT_IDENTITY_PATTERNS),
+        description="Regexes (case-insensitive) of another model's or lab's self-identification, matched in "
+        "answers and reasoning; [] = off")
+    identity_action: Literal["reject", "keep"] = content(
+        "reject", description="A record matching identity_patterns: rejected (identity_mismatch) or kept (counted)", trigger=True)
+    licenses: list[str] | None = content(
+        None, description="Allowed `license` values (null = all); others are rejected as license_excluded", trigger=True)
     val_max_documents: int = content(20_000, ge=1, description="Cap on validation documents (the rest of val is dropped, counted)", trigger=True)
     seed: int = content(1234, description="Seed of the train/val split hash", trigger=True)
     # --- preference optimisation (docs/dpo.md)
@@ -376,6 +418,16 @@ class FilterSection(SparkStageSection):
     decontam_min_tokens: int = content(
         8, ge=1, le=64, description="An eval document shorter than decontam_ngram tokens matches as a whole "
         "token sequence when it has at least this many tokens (shorter ones are ignored, counted)", trigger=True)
+
+    @field_validator("identity_patterns")
+    @classmethod
+    def _identity(cls, v: list[str]) -> list[str]:
+        for p in v:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ValueError(f"pattern {p!r} is not a regular expression: {e}") from None
+        return v
 
     @model_validator(mode="after")
     def _lsh(self) -> FilterSection:

@@ -47,6 +47,7 @@ from reports.facts import (
     read_table,
     reject_rows,
     richest_document,
+    source_split_rows,
     split_of_id,
     split_tokens,
 )
@@ -178,6 +179,8 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
         near_dup_guard=(tr.extra.get("near_duplicates") or {}).get("guard"),
         guard_by_split=guard_by_split(tr.extra.get("near_duplicates"), pairs, near_split, question_of, GUARD_EXAMPLES),
         length_fit=tr.extra.get("length_fit") or {},
+        source_splits=source_split_rows(en, tr), prompt_sources=en.extra.get("prompt_sources") or {},
+        withheld_without_key=int((en.counts.get("rejected") or {}).get("prompt_withheld", 0)),
     )
 
 

@@ -91,13 +91,36 @@ class ReportFacts:
     near_dup_guard: str | None = None  # the filter's near_dup_guard; None: manifest from before issue 27
     guard_by_split: list[GuardSplit] = field(default_factory=list)
     length_fit: dict[str, Any] = field(default_factory=dict)  # the manifest's length_fit (issue 29)
+    # per input split (issue 28): enrich's rows in / rejects, the filter's rejects and seq_len fit
+    source_splits: dict[str, dict[str, Any]] = field(default_factory=dict)
+    prompt_sources: dict[str, dict[str, Any]] = field(default_factory=dict)  # enrich's restored / unrestorable
+    withheld_without_key: int = 0  # enrich's prompt_withheld rejects: no seed key (v1 "-" / empty prompts)
 
     def to_extra(self) -> dict[str, Any]:
         return {"headline": asdict(self.headline), "dataset_version": self.dataset_version,
                 "thresholds": self.thresholds, "near_duplicates_shown": len(self.near_duplicates),
                 "decontamination": self.decontamination.model_dump(mode="json") if self.decontamination else None,
                 "near_dup_guard": self.near_dup_guard,
-                "guard_saved_pairs_by_split": {g.split: g.saved_pairs for g in self.guard_by_split}}
+                "guard_saved_pairs_by_split": {g.split: g.saved_pairs for g in self.guard_by_split},
+                "source_splits": self.source_splits, "withheld_without_key": self.withheld_without_key,
+                "prompt_sources": {k: {"restored": v.get("restored", 0), "unrestorable": v.get("unrestorable", 0)}
+                                   for k, v in self.prompt_sources.items()}}
+
+
+def source_split_rows(enriched: Manifest, train_ready: Manifest) -> dict[str, dict[str, Any]]:
+    """Per input split: rows in, rejects by "<stage>:<reason>", kept, and how many rendered
+    conversations fit seq_len with and without reasoning (the filter's `extra.source_splits`)."""
+    out: dict[str, dict[str, Any]] = {}
+    for split, c in (enriched.extra.get("splits") or {}).items():
+        out[split or "(unnamed)"] = {"in": c.get("in", 0), "rejected": {f"enrich:{r}": n for r, n in c.get("rejected", {}).items()},
+                                     "kept": None, "measured": None, "fit_with": None, "fit_without": None}
+    for split, c in (train_ready.extra.get("source_splits") or {}).items():
+        row = out.setdefault(split or "(unnamed)", {"in": c.get("in", 0), "rejected": {}})
+        row["rejected"].update({f"filter:{r}": n for r, n in c.get("rejected", {}).items()})
+        row.update(kept=c.get("out"), measured=c.get("measured"), fit_with=c.get("fit_seq_len_with_reasoning"),
+                   fit_without=c.get("fit_seq_len_without_reasoning"))
+    return dict(sorted(out.items()))
+
 
 
 def split_tokens(manifest: Manifest, info: TrainReadyInfo | None) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:

@@ -55,7 +55,7 @@ from spark_jobs.conversation import (
     Turn,
 )
 
-TrainOn = Literal["all_assistant_turns", "last_assistant_turn"]
+TrainOn = Literal["all_assistant_turns", "last_assistant_turn", "dataset_flags"]
 
 @dataclass(frozen=True)
 class Rendered:
@@ -111,8 +111,17 @@ def _spans_to_targets(spans: list[tuple[int, int, bool]], n: int) -> list[bool]:
     return targets
 
 
-def _choose_targets(spans: list[tuple[int, int, bool]], train_on: TrainOn) -> list[tuple[int, int, bool]]:
-    if train_on == "all_assistant_turns":
+def _choose_targets(spans: list[tuple[int, int, bool]], train_on: TrainOn,
+                    flags: Sequence[bool] | None = None) -> list[tuple[int, int, bool]]:
+    """`dataset_flags`: the k-th assistant span is trained iff the conversation's k-th assistant
+    turn is flagged (`Conversation.flags`); a conversation without flags trains every turn."""
+    if train_on == "dataset_flags" and flags is not None:
+        n = sum(1 for s in spans if s[2])
+        if n != len(flags):
+            raise RenderError(RENDER_FAILED, f"{n} assistant spans for {len(flags)} flagged assistant turns")
+        it = iter(flags)
+        return [(a, b, t and next(it)) for a, b, t in spans]
+    if train_on in ("all_assistant_turns", "dataset_flags"):
         return spans
     last = max((i for i, s in enumerate(spans) if s[2]), default=None)
     return [(a, b, t and i == last) for i, (a, b, t) in enumerate(spans)]
@@ -279,7 +288,7 @@ class MistralCommonTokenizer(ChatTokenizer):
             raise
         except Exception as e:  # noqa: BLE001 - mistral-common refuses a shape: a reject, not a crash
             raise RenderError(TEMPLATE_UNSUPPORTED, f"{self.spec}: {type(e).__name__}: {e}"[:500]) from None
-        return Rendered(ids, _spans_to_targets(_choose_targets(spans, train_on), len(ids)))
+        return Rendered(ids, _spans_to_targets(_choose_targets(spans, train_on, conv.flags), len(ids)))
 
     def count(self, text: str) -> int:
         return len(self._tok.encode(text, bos=False, eos=False))
@@ -317,6 +326,18 @@ def _maybe_json(s: str) -> Any:
         return json.loads(s)
     except (ValueError, RecursionError):
         return s
+
+
+def _runs(mask: Sequence[bool]) -> list[tuple[int, int, bool]]:
+    """The generation mask's runs of trained tokens as spans: one per assistant turn."""
+    out, start = [], None
+    for i, m in enumerate([*mask, False]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            out.append((start, i, True))
+            start = None
+    return out
 
 
 def _turn_end(ids: Sequence[int], start: int, end: int, eos_id: int) -> int:
@@ -378,6 +399,8 @@ class HFChatTokenizer(ChatTokenizer):
                 if train_on == "last_assistant_turn":
                     prefix, _ = self._ids(messages[:-1], tools, True)
                     mask = [m and i >= len(prefix) for i, m in enumerate(mask)]
+                elif train_on == "dataset_flags" and conv.flags is not None:
+                    mask = _spans_to_targets(_choose_targets(_runs(mask), train_on, conv.flags), len(mask))
                 return Rendered(ids, mask)
             ids, _ = self._ids(messages, tools, False)
             spans: list[tuple[int, int, bool]] = []
@@ -395,7 +418,7 @@ class HFChatTokenizer(ChatTokenizer):
             raise
         except Exception as e:  # noqa: BLE001 - the template refuses this conversation: a reject
             raise RenderError(TEMPLATE_UNSUPPORTED, f"{self.spec}: {type(e).__name__}: {e}"[:500]) from None
-        return Rendered(ids, _spans_to_targets(_choose_targets(spans, train_on), len(ids)))
+        return Rendered(ids, _spans_to_targets(_choose_targets(spans, train_on, conv.flags), len(ids)))
 
     def count(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False))

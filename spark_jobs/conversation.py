@@ -14,6 +14,13 @@ assistant turn with text that a user turn precedes; turns after it have no answe
   and id; the record's tool schemas come from `metadata` (`{"tools": [...]}`, as in v1's
   `tool_calling` split; bare function objects are wrapped as `{"type": "function", ...}`).
 
+Per-turn training flags (`metadata.train_turns`, one boolean per message; with
+`ConversationOptions.use_flags`): the conversation ends at the last trained assistant turn, and
+each assistant `Turn.trained` says whether the loss looks at it (`Conversation.flags`). With
+`train_on_reasoning`, a trained earlier turn that has reasoning becomes its own prefix document
+with its reasoning (`build_documents`); the whole conversation then trains its other flagged turns.
+A flag list whose length is not the messages' is `bad_train_turns`.
+
 `prompt_text` / `dedup_text` are the canonical texts the split and exact dedup hash: NFKC,
 Unicode white space collapsed, case folded, turns tagged by role; independent of the tokenizer,
 so changing the base model never moves a prompt between train and validation.
@@ -28,7 +35,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from spark_jobs.normalize import split_reasoning
+from spark_jobs.family import tool_schemas as family_tool_schemas
+from spark_jobs.normalize import message_parts, split_reasoning
 
 THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n\n"
 
@@ -43,6 +51,7 @@ class RenderError(ValueError):
 
 
 RENDER_FAILED = "render_failed"
+BAD_TRAIN_TURNS = "bad_train_turns"
 TEMPLATE_UNSUPPORTED = "template_unsupported"
 
 
@@ -60,6 +69,7 @@ class Turn:
     tool_calls: tuple[ToolCall, ...] = ()
     tool_name: str | None = None  # tool turns: the call this result answers
     tool_call_id: str | None = None
+    trained: bool | None = None  # assistant turns of a flagged record: the loss looks at it
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,13 @@ class Conversation:
     system: str | None
     turns: tuple[Turn, ...]
     tools: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def flags(self) -> tuple[bool, ...] | None:
+        """Per assistant turn, in order: trained or not; None when the record has no flags."""
+        if not any(t.trained is not None for t in self.turns):
+            return None
+        return tuple(bool(t.trained) for t in self.turns if t.role == "assistant")
 
     def to_messages(self) -> list[dict[str, Any]]:
         """OpenAI/HF-style messages (what `apply_chat_template` takes)."""
@@ -91,6 +108,7 @@ class ConversationOptions:
     # with train_on_reasoning: earlier assistant turns keep their traces too (filter.overflow
     # drop_earlier_reasoning renders so first and drops them only from a row that would not fit)
     earlier_reasoning: bool = False
+    use_flags: bool = False  # metadata.train_turns decide the trained turns (filter.train_on=dataset_flags)
 
 
 def _json_or_text(s: str) -> Any:
@@ -101,25 +119,28 @@ def _json_or_text(s: str) -> Any:
 
 
 def tool_schemas(metadata: str | None) -> tuple[dict[str, Any], ...]:
-    """Tool definitions from the record's metadata JSON (`tools` list); () when there are none."""
+    """Tool definitions from the record's metadata JSON (`tools`, any shape `family.tool_schema`
+    reads, MCP's included); () when there are none."""
+    meta = _metadata(metadata)
+    return tuple(family_tool_schemas(meta.get("tools"))) if "tools" in meta else ()
+
+
+def _metadata(metadata: str | None) -> dict[str, Any]:
     if not metadata:
-        return ()
+        return {}
     try:
         meta = json.loads(metadata)
     except (ValueError, RecursionError):
-        return ()
-    tools = meta.get("tools") if isinstance(meta, Mapping) else None
-    if isinstance(tools, str):
-        tools = _json_or_text(tools)
-    if not isinstance(tools, list):
-        return ()
-    out = []
-    for t in tools:
-        if isinstance(t, Mapping) and isinstance(t.get("function"), Mapping):
-            out.append(dict(t))
-        elif isinstance(t, Mapping) and isinstance(t.get("name"), str):
-            out.append({"type": "function", "function": dict(t)})
-    return tuple(out)
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def train_turns(metadata: str | None) -> list[bool] | None:
+    """`metadata.train_turns` (one boolean per message) or None when the record has none."""
+    flags = _metadata(metadata).get("train_turns")
+    if flags is None:
+        return None
+    return list(flags) if isinstance(flags, list) and all(isinstance(f, bool) for f in flags) else []
 
 
 def _answer_index(msgs: Sequence[Mapping[str, Any]]) -> int:
@@ -132,15 +153,59 @@ def _answer_index(msgs: Sequence[Mapping[str, Any]]) -> int:
     raise RenderError(RENDER_FAILED, "no assistant turn with visible text answers a user turn")
 
 
+def _flags(messages: Sequence[Mapping[str, Any]], metadata: str | None, opts: ConversationOptions) -> list[bool] | None:
+    if not opts.use_flags:
+        return None
+    flags = train_turns(metadata)
+    if flags is not None and len(flags) != len(messages):
+        raise RenderError(BAD_TRAIN_TURNS, f"metadata.train_turns has {len(flags)} entries for {len(messages)} messages")
+    return flags
+
+
+def _trained_turns(messages: Sequence[Mapping[str, Any]], flags: list[bool]) -> list[int]:
+    out = [i for i, (m, f) in enumerate(zip(messages, flags, strict=True))
+           if f and str(m.get("role") or "").strip().lower() == "assistant"
+           and (message_parts(m)[0] or m.get("tool_calls"))]
+    if not out:
+        raise RenderError(BAD_TRAIN_TURNS, "metadata.train_turns marks no assistant turn with text or tool calls")
+    return out
+
+
 def build_conversation(messages: Sequence[Mapping[str, Any]], metadata: str | None, reasoning: str | None,
                        opts: ConversationOptions) -> Conversation:
+    """The whole conversation (the record's last document: `build_documents(...)[-1]`)."""
+    return build_documents(messages, metadata, reasoning, opts)[-1]
+
+
+def build_documents(messages: Sequence[Mapping[str, Any]], metadata: str | None, reasoning: str | None,
+                    opts: ConversationOptions) -> list[Conversation]:
+    """The documents one record trains: with flags and `train_on_reasoning`, one prefix conversation
+    per trained earlier turn that has reasoning (trained on that turn only, with its reasoning),
+    then the whole conversation; otherwise the whole conversation alone."""
     if not messages:
         raise RenderError(RENDER_FAILED, "messages is empty")
-    a = _answer_index(messages)
+    flags = _flags(messages, metadata, opts)
+    if flags is None:
+        a = _answer_index(messages)
+        return [_build(messages, metadata, reasoning, opts, a, None)]
+    trained = _trained_turns(messages, flags)
+    a = trained[-1]
+    own = [k for k in trained[:-1] if opts.train_on_reasoning and message_parts(messages[k])[1]]
+    docs = [_build(messages, metadata, reasoning, opts, k, {k}) for k in own]
+    docs.append(_build(messages, metadata, reasoning, opts, a, set(trained) - set(own)))
+    return docs
+
+
+def _build(messages: Sequence[Mapping[str, Any]], metadata: str | None, reasoning: str | None,
+           opts: ConversationOptions, a: int, trained: set[int] | None) -> Conversation:
+    """Messages up to and including turn `a` (whose reasoning is shown with `train_on_reasoning`);
+    `trained`: indices of the trained assistant turns, None = unflagged."""
     msgs = list(messages[: a + 1])
+    offset = 0
     system = None
     if str(msgs[0].get("role") or "").strip().lower() == "system":
         system = (msgs.pop(0).get("content") or "").strip() or None
+        offset = 1
     if opts.train_on_reasoning and reasoning in ("on", "off"):
         marker = opts.marker_on if reasoning == "on" else opts.marker_off
         system = f"{system}\n\n{marker}" if system else marker
@@ -154,7 +219,7 @@ def build_conversation(messages: Sequence[Mapping[str, Any]], metadata: str | No
             turns.append(Turn("user", content.strip()))
             pending = []
         elif role == "assistant":
-            visible, trace = split_reasoning(content)
+            visible, trace = message_parts(m)
             if opts.train_on_reasoning and trace and (i == last or opts.earlier_reasoning):
                 visible = f"{THINK_OPEN}{trace}{THINK_CLOSE}{visible}"
             calls = tuple(
@@ -163,7 +228,8 @@ def build_conversation(messages: Sequence[Mapping[str, Any]], metadata: str | No
             )
             if not visible and not calls:
                 raise RenderError(RENDER_FAILED, f"assistant turn {i} has neither text nor tool calls")
-            turns.append(Turn("assistant", visible, calls))
+            turns.append(Turn("assistant", visible, calls,
+                              trained=None if trained is None else (i + offset) in trained))
             pending = list(calls)
         elif role == "tool":
             call = pending.pop(0) if pending else None
@@ -188,13 +254,24 @@ def _canonical(conv: Conversation, turns: Sequence[Turn]) -> str:
     parts = [f"system\u0001{normalise_text(conv.system or '')}"]
     for t in turns:
         calls = "".join(f"\u0002{normalise_text(c.name)}({normalise_text(c.arguments)})" for c in t.tool_calls)
-        parts.append(f"{t.role}\u0001{normalise_text(t.content)}{calls}")
+        flag = "" if t.trained is None else f"\u0004{int(t.trained)}"  # flagged rows differ by what they train
+        parts.append(f"{t.role}\u0001{normalise_text(t.content)}{calls}{flag}")
     return "\u0003".join(parts)
 
 
 def prompt_text(conv: Conversation) -> str:
     """The prompt the split hashes: the conversation up to (not including) the final answer."""
     return _canonical(conv, conv.turns[:-1])
+
+
+def seed_prompt_key(metadata: str | None) -> str | None:
+    """Rows cut from one seed conversation (the SFT collection: `metadata.seed_dataset` +
+    `seed_prompt_sha256`) are one prompt for the split, whatever turns each row keeps."""
+    meta = _metadata(metadata)
+    seed, sha = meta.get("seed_dataset"), meta.get("seed_prompt_sha256")
+    if isinstance(seed, str) and isinstance(sha, str) and seed.strip() and sha.strip():
+        return f"seed\u0001{seed.strip()}\u0001{sha.strip().lower()}"
+    return None
 
 
 def dedup_text(conv: Conversation) -> str:

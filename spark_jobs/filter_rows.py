@@ -3,7 +3,9 @@
 `keyed(df, fcfg)` adds to every enriched row the keys computed from its conversation (one pandas
 UDF): `_prompt_key` (sha256 of the canonical prompt, what the split hashes), `_text_hash` (of the
 whole conversation, what exact dedup compares) and `_key` (a stable row key: id, text hash, and the
-row's place in its input file, so two rows never share one). `decisions(ctx, keyed, fcfg)` returns
+row's place in its input file, so two rows never share one). Identity (`filter.identity_patterns`: another model's self-identification in an answer or its
+reasoning -> `identity_mismatch`, or kept and counted) and license (`filter.licenses` allowlist ->
+`license_excluded`) are row checks too. `decisions(ctx, keyed, fcfg)` returns
 the small frame of rows that are *not* plain kept-in-their-split: (`_key`, `reason`, `detail`,
 `split`), from a lean persisted frame (keys, vectors, similarity; no messages). The caller joins
 it back to the full rows, so messages are read once, when rendering, and never persisted.
@@ -12,6 +14,8 @@ it back to the full rows, so messages are read once, when rendering, and never p
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import pandas as pd  # module level: pandas_udf resolves its type hints in this module
@@ -23,10 +27,12 @@ from spark_jobs.conversation import (
     build_conversation,
     dedup_text,
     prompt_text,
+    seed_prompt_key,
     sha256_hex,
 )
 from spark_jobs.dedup_types import NearDupReport, SavedPair
 from spark_jobs.near_dup_guard import guard_column
+from spark_jobs.normalize import message_parts
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
@@ -36,32 +42,59 @@ if TYPE_CHECKING:
 
 MISSING_FIELD = "missing_field"
 LOW_QA_SIMILARITY = "low_qa_similarity"
-KEYS_SCHEMA = "prompt_key string, text_hash string, error string"
+IDENTITY_MISMATCH = "identity_mismatch"
+LICENSE_EXCLUDED = "license_excluded"
+KEYS_SCHEMA = "prompt_key string, text_hash string, error string, error_reason string, identity string"
 
 
 def conversation_options(fcfg: FilterSection) -> ConversationOptions:
-    return ConversationOptions(fcfg.train_on_reasoning, fcfg.reasoning_marker_on, fcfg.reasoning_marker_off)
+    return ConversationOptions(fcfg.train_on_reasoning, fcfg.reasoning_marker_on, fcfg.reasoning_marker_off,
+                               use_flags=fcfg.train_on == "dataset_flags")
+
+
+def identity_match(messages: Sequence, patterns: re.Pattern | None) -> str | None:
+    """The first self-identification `patterns` finds in an assistant turn's text or reasoning."""
+    if patterns is None:
+        return None
+    for m in messages:
+        if isinstance(m, dict) and str(m.get("role") or "").strip().lower() == "assistant":
+            visible, trace = message_parts(m)
+            for text in (visible, trace):
+                hit = patterns.search(text) if text else None
+                if hit:
+                    return hit.group(0)
+    return None
+
+
+def identity_regex(patterns: Sequence[str]) -> re.Pattern | None:
+    return re.compile("|".join(f"(?:{p})" for p in patterns), re.IGNORECASE) if patterns else None
 
 
 def conversation_keys(messages_json: str | None, metadata: str | None, reasoning: str | None,
-                      opts: ConversationOptions) -> tuple[str | None, str | None, str | None]:
-    """(prompt key, conversation hash, None) or (None, None, error) for one record."""
+                      opts: ConversationOptions, identity: re.Pattern | None = None,
+                      ) -> tuple[str | None, str | None, str | None, str | None, str | None]:
+    """(prompt key, conversation hash, None, None, identity match) or (None, None, error, reason,
+    None) for one record. Rows of one seed conversation share their prompt key (`seed_prompt_key`)."""
     try:
-        conv = build_conversation(json.loads(messages_json) if messages_json else [], metadata, reasoning, opts)
+        messages = json.loads(messages_json) if messages_json else []
+        conv = build_conversation(messages, metadata, reasoning, opts)
     except RenderError as e:
-        return None, None, e.detail
+        return None, None, e.detail, e.reason, None
     except (ValueError, TypeError, KeyError, RecursionError) as e:
-        return None, None, f"{type(e).__name__}: {e}"[:300]
-    return sha256_hex(prompt_text(conv)), sha256_hex(dedup_text(conv)), None
+        return None, None, f"{type(e).__name__}: {e}"[:300], "render_failed", None
+    prompt = seed_prompt_key(metadata) or prompt_text(conv)
+    return sha256_hex(prompt), sha256_hex(dedup_text(conv)), None, None, identity_match(messages, identity)
 
 
-def _keys_udf(opts: ConversationOptions):
+def _keys_udf(opts: ConversationOptions, patterns: Sequence[str]):
     from pyspark.sql.functions import pandas_udf
 
     @pandas_udf(KEYS_SCHEMA)
     def keys(messages_json: pd.Series, metadata: pd.Series, reasoning: pd.Series) -> pd.DataFrame:
-        rows = [conversation_keys(m, md, r, opts) for m, md, r in zip(messages_json, metadata, reasoning, strict=True)]
-        return pd.DataFrame(rows, columns=["prompt_key", "text_hash", "error"])
+        identity = identity_regex(patterns)
+        rows = [conversation_keys(m, md, r, opts, identity)
+                for m, md, r in zip(messages_json, metadata, reasoning, strict=True)]
+        return pd.DataFrame(rows, columns=["prompt_key", "text_hash", "error", "error_reason", "identity"])
 
     return keys
 
@@ -105,8 +138,9 @@ def keyed(df: DataFrame, fcfg: FilterSection) -> DataFrame:
     from pyspark.sql import functions as F
 
     df = (located(df)
-          .withColumn("_k", _keys_udf(conversation_options(fcfg))("_messages_json", _opt(df, "metadata"),
-                                                                   _opt(df, "reasoning")))
+          .withColumn("_k", _keys_udf(conversation_options(fcfg), fcfg.identity_patterns)(
+              "_messages_json", _opt(df, "metadata"), _opt(df, "reasoning")))
+          .withColumn("_identity", F.col("_k.identity"))
           .withColumn("_prompt_key", F.col("_k.prompt_key"))
           .withColumn("_text_hash", F.col("_k.text_hash"))
           .withColumn("_key", F.xxhash64(F.coalesce(F.col("id"), F.lit("")), F.coalesce("_text_hash", F.lit("")),
@@ -119,7 +153,12 @@ def keyed(df: DataFrame, fcfg: FilterSection) -> DataFrame:
         (blank("id"), MISSING_FIELD, F.lit("id is null or empty")),
         (blank("question"), MISSING_FIELD, F.lit("question is null or empty")),
         (blank("answer"), MISSING_FIELD, F.lit("answer is null or empty")),
-        (F.col("_k.error").isNotNull(), "render_failed", F.concat(F.lit("conversation: "), F.col("_k.error"))),
+        (F.col("_k.error").isNotNull(), F.col("_k.error_reason"), F.concat(F.lit("conversation: "), F.col("_k.error"))),
+        *([(F.col("_identity").isNotNull(), IDENTITY_MISMATCH,
+            F.concat(F.lit("self-identification: "), F.col("_identity")))] if fcfg.identity_action == "reject" else []),
+        *([(~F.coalesce(_opt(df, "license").isin(fcfg.licenses), F.lit(False)), LICENSE_EXCLUDED,
+            F.concat(F.lit("license "), F.coalesce(_opt(df, "license"), F.lit("null")),
+                     F.lit(f" is not in filter.licenses {fcfg.licenses}")))] if fcfg.licenses is not None else []),
         (emb_bad("question_embedding") | emb_bad("answer_embedding")
          | (F.size("question_embedding") != F.size("answer_embedding")), MISSING_FIELD,
          F.lit("question_embedding/answer_embedding missing or of different sizes")),
@@ -141,7 +180,7 @@ def keyed(df: DataFrame, fcfg: FilterSection) -> DataFrame:
         ]
     reason, detail = F.lit(None).cast("string"), F.lit(None).cast("string")
     for cond, r, d in reversed(checks):  # the first failing check wins
-        reason = F.when(cond, F.lit(r)).otherwise(reason)
+        reason = F.when(cond, r if not isinstance(r, str) else F.lit(r)).otherwise(reason)
         detail = F.when(cond, d).otherwise(detail)
     return df.withColumn("_check", reason).withColumn("_check_detail", detail).drop("_k")
 
@@ -205,7 +244,7 @@ def saved_by_split(report: NearDupReport, saved: DataFrame, near: DataFrame, lea
 
 
 def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: list | None = None,
-              decon: Decontaminator | None = None) -> DataFrame:
+              decon: Decontaminator | None = None, stats: dict | None = None) -> DataFrame:
     """(`_file`, `_row`, `_key`, `reason`, `detail`, `split`) for every row: `reason` null = kept, in
     `split`. Computed on a lean persisted frame (no messages; the conversation UDF runs once). The
     near-duplicate search's report (method, parameters, measured recall) and, with `decon`, the
@@ -219,9 +258,11 @@ def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: 
     grams = [dc.record_grams(F.col("_messages_json"), fcfg, decon.short_lengths).alias("_grams")] if decon else []
     lean = ctx.persist(rows.select(
         "id", "_file", "_row", "_key", "_prompt_key", "_text_hash", "_context_key", "_guard", "_check", "_check_detail",
-        F.concat(F.col("question_embedding"), F.col("answer_embedding")).alias("_vec"), *grams,
+        "_identity", F.concat(F.col("question_embedding"), F.col("answer_embedding")).alias("_vec"), *grams,
     ))
     ok = F.col("_check").isNull()
+    if stats is not None:  # identity_action=keep: the kept rows that match are counted, not dropped
+        stats["identity_matches_kept"] = lean.filter(ok & F.col("_identity").isNotNull()).count()
     marks = lean.filter(~ok).select("_key", F.col("_check").alias("reason"), F.col("_check_detail").alias("detail"))
     eligible = lean.filter(ok)
     if decon is not None:  # before dedup: every copy of a contaminated record is a contaminated reject

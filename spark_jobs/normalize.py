@@ -7,7 +7,12 @@ cannot be normalised raises `Rejected` with a stable reason code (the manifest c
 
 Reason codes: empty_messages, bad_message, unknown_role, bad_content, roles_out_of_order,
 bad_tool_call, bad_tool_arguments, no_answered_question, prompt_withheld (the question is empty or
-a placeholder such as "-", as in v1's `code` split), empty_answer.
+a placeholder such as "-", as in v1's `code` split, or a system / user turn before the answer is
+null: withheld and not restored), content_withheld (a tool result or an earlier assistant turn is
+null: never rendered as "None" or as an empty turn), empty_answer.
+
+An assistant turn's reasoning is its `reasoning_content` (the SFT collection; null, empty or white
+space = none) or else its `<think>` block (v1/v2): `message_parts`.
 
 Context units (for the relevance scores only; the filter renders the conversation itself from
 `messages`) come from `sentences.split_units`: structured blocks whole, prose as sentences. Each
@@ -65,6 +70,16 @@ def split_reasoning(content: str) -> tuple[str, str | None]:
         visible = visible[: m.start()]
     trace = "\n\n".join(t for t in traces if t) or None
     return visible.strip(), trace
+
+
+def message_parts(m: Mapping[str, Any]) -> tuple[str, str | None]:
+    """(visible text, reasoning trace or None) of an assistant turn: `reasoning_content` when it
+    has text, else the `<think>` block of its content."""
+    visible, trace = split_reasoning(m.get("content") or "")
+    rc = m.get("reasoning_content")
+    if isinstance(rc, str) and rc.strip():
+        trace = rc.strip()
+    return visible, trace
 
 
 def render_tool_call(call: Mapping[str, Any]) -> str:
@@ -173,13 +188,22 @@ def normalise(
     question = (turns[q].get("content") or "").strip()
     if is_placeholder(question):
         raise Rejected("prompt_withheld", f"the user turn {q} answered by turn {a} is {question!r} (withheld or placeholder)")
+    for i in range(a):
+        m = turns[i]
+        if m.get("content") is None and _role(m) in ("system", "user"):
+            raise Rejected("prompt_withheld", f"the {_role(m)} turn {i} is null (withheld, not restored)")
+        if m.get("content") is None and (_role(m) == "tool" or not m.get("tool_calls")):
+            raise Rejected("content_withheld", f"the {_role(m)} turn {i} is null (withheld); it is never rendered")
 
     raw_answer = turns[a]["content"]
-    visible, trace = split_reasoning(raw_answer)
+    visible, trace = message_parts(turns[a])
     if not visible:
         raise Rejected("empty_answer", f"assistant turn {a} holds only a reasoning trace")
     if reasoning == "inline":
-        answer, trace = raw_answer.strip(), None
+        rc = turns[a].get("reasoning_content")
+        answer = (f"<think>\n{trace}\n</think>\n\n{visible}" if isinstance(rc, str) and rc.strip()
+                  else raw_answer.strip())
+        trace = None
     elif reasoning == "drop":
         answer, trace = visible, None
     else:

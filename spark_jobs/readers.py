@@ -72,14 +72,15 @@ def find_input_files(spark: SparkSession, input_uri: str, splits: list[str], fmt
         if base.endswith(tuple(f".{e}" for e in exts)):
             return f, glob_files(spark, base)
         for layout in ("data/", ""):
-            per_split = {s: sorted({p for e in exts for p in glob_files(spark, f"{base}/{layout}{s}-*.{e}")})
+            per_split = {s: sorted({p for e in exts for pat in (f"{s}-*.{e}", f"{s}.{e}")
+                                    for p in glob_files(spark, f"{base}/{layout}{pat}")})
                          for s in splits}
             tried += [f"{base}/{layout}{s}-*.{e}" for s in splits for e in exts]
             if any(per_split.values()):
                 missing = [s for s, fs in per_split.items() if not fs]
                 if missing:
-                    present = sorted({p.rpartition("/")[2].partition("-")[0]
-                                      for e in exts for p in glob_files(spark, f"{base}/{layout}*-*.{e}")})
+                    present = sorted({re.search(SPLIT_OF_FILE, p).group(1)
+                                      for e in exts for p in glob_files(spark, f"{base}/{layout}*.{e}")})
                     raise FileNotFoundError(
                         f"requested split(s) {missing} have no {layout}<split>-*.{exts[0]} files under {input_uri}; "
                         f"splits present: {present}. Set enrich.splits to the ones you mean")
@@ -117,7 +118,7 @@ def download_hub_dataset(input_uri: str, splits: list[str], dest: Path) -> str:
     from huggingface_hub import snapshot_download
 
     repo_id, revision = parse_hub_uri(input_uri)
-    patterns = [f"data/{s}-*.{e}" for s in splits for e in ("parquet", "jsonl")]
+    patterns = [f"data/{s}{sep}.{e}" for s in splits for sep in ("-*", "") for e in ("parquet", "jsonl")]
     local = snapshot_download(repo_id=repo_id, repo_type="dataset", revision=revision or None,
                               allow_patterns=patterns, local_dir=str(dest))
     return uris.qualify(local)
@@ -145,7 +146,8 @@ def download_store_prefix(input_uri: str, splits: list[str], dest: Path, storage
     prefix = key.rstrip("/") + "/" if key else ""
     exts = tuple(f".{e}" for es in EXTENSIONS.values() for e in es)
     files = [o.key for o in store.list(prefix) if o.key.endswith(exts)]
-    named = [k for k in files if k.rpartition("/")[2].startswith(tuple(f"{s}-" for s in splits))]
+    named = [k for k in files if k.rpartition("/")[2].startswith(tuple(f"{s}-" for s in splits))
+             or k.rpartition("/")[2].rpartition(".")[0] in splits]
     chosen = named or files
     if not chosen:
         raise FileNotFoundError(f"no .parquet/.jsonl/.json files under {input_uri}")
@@ -223,10 +225,37 @@ def _read_jsonl(spark: SparkSession, files: list[str]) -> DataFrame:
         return pd.DataFrame([parse_json_line(decode_line(x)) for x in lines],
                             columns=[*STRING_FIELDS, "messages_json", "raw", "read_error"])
 
-    lines = spark.read.text(files).where(F.trim("value") != "")  # blank lines are not records
+    lines = numbered_lines(spark, files).where(F.trim("value") != "")  # blank lines are not records
     # Spark's text reader keeps a line's bytes as they are, invalid UTF-8 included, and Arrow refuses
     # to turn such a string into Python: hand the UDF the bytes and decode them there.
-    return lines.select(parse(F.col("value").cast("binary")).alias("r"), split_of_file()).select("r.*", SPLIT_COLUMN)
+    parsed = lines.select(parse(F.col("value").cast("binary")).alias("r"), "_where", SPLIT_COLUMN).select(
+        "r.*", "_where", SPLIT_COLUMN)
+    # A line that does not parse has no uuid: its reject's id is where it is, `<file>:<line>`.
+    return parsed.withColumn("uuid", F.when(F.col("read_error").isNotNull() & F.col("uuid").isNull(), F.col("_where"))
+                             .otherwise(F.col("uuid"))).drop("_where")
+
+
+def numbered_lines(spark: SparkSession, files: list[str]) -> DataFrame:
+    """Text lines with `split` and `_where` = `<file>:<line number>` (1-based), computed without
+    moving the lines: each file split's first line number comes from a small per-split count
+    (`_metadata.file_block_start`), each line's place in its split from its position in the task."""
+    from pyspark.sql import functions as F
+
+    lines = spark.read.text(files).select(
+        "value", split_of_file(), F.col("_metadata.file_path").alias("_f"),
+        F.col("_metadata.file_block_start").alias("_b"), F.monotonically_increasing_id().alias("_m"))
+    blocks = sorted((r["_f"], int(r["_b"]), int(r["n"]), int(r["m0"])) for r in
+                    lines.groupBy("_f", "_b").agg(F.count(F.lit(1)).alias("n"), F.min("_m").alias("m0")).collect())
+    starts, before, current = [], 0, None
+    for f, b, n, m0 in blocks:
+        before = 0 if f != current else before
+        current = f
+        starts.append((f, b, before, m0))
+        before += n
+    table = spark.createDataFrame(starts or [("", 0, 0, 0)], "_f string, _b long, _before long, _m0 long")
+    return (lines.join(F.broadcast(table), ["_f", "_b"])
+            .withColumn("_where", F.concat_ws(":", "_f", (F.col("_before") + F.col("_m") - F.col("_m0") + 1).cast("string")))
+            .drop("_f", "_b", "_m", "_before", "_m0"))
 
 
 SPLIT_COLUMN = "split"
@@ -234,12 +263,16 @@ SPLIT_COLUMN = "split"
 
 def split_of_file():
     """The record's split: its file's name up to the first `-` (`data/<split>-*`); '' for files not
-    named by split. Per-split counts in the manifest come from it. From the scan's `_metadata`
+    named by split; `<split>.jsonl` names its split too. Per-split counts in the manifest come from it. From the scan's `_metadata`
     column, a value of the row itself (`input_file_name()` is per-thread state that a Python UDF
     evaluated in the same stage can read out of step with the rows)."""
     from pyspark.sql import functions as F
 
-    return F.regexp_extract(F.col("_metadata.file_path"), r"([^/]+?)-[^/]*$", 1).alias(SPLIT_COLUMN)
+    return F.regexp_extract(F.col("_metadata.file_path"), SPLIT_OF_FILE, 1).alias(SPLIT_COLUMN)
+
+
+# `data/<split>-00000-of-00001.parquet` (v1/v2) or `data/<split>.jsonl` (the SFT collection)
+SPLIT_OF_FILE = r"([^/]+?)(?:-[^/]*|\.[^/.]+)$"
 
 
 def decode_line(line: bytes | bytearray) -> str:

@@ -3,7 +3,13 @@
 Runs as a `mapInPandas` body (the tokenizer is loaded once per executor process). A kept row is
 rendered with `chat_format` (the whole conversation, `filter.train_on` turns as targets), then the
 length limits apply (`packing.make_document`); a row that fails either becomes a reject with the
-reason and a detail, and a row rejected earlier passes through. One row in, one row out.
+reason and a detail, and a row rejected earlier passes through. One row in, one or more rows out:
+a record with per-turn flags and `train_on_reasoning` can train several documents
+(`conversation.build_documents`); its first output row (`doc` 0) is the whole conversation and
+carries the record's accounting (`len_with_reasoning` / `len_without_reasoning`: the tokens of the
+whole conversation rendered with and without its final reasoning, for the per-split length fit),
+its prefix documents follow as `doc` 1, 2, ... under the same key (packing orders by key, doc). A
+record any of whose documents fails is rejected whole.
 
 `prompt_context: relevant`: before rendering, a system prompt or tool result longer than
 `relevant_context_tokens` is replaced, inside the same turn, by its `relevant_top_k` units with the
@@ -24,14 +30,15 @@ import pandas as pd
 from pipeline_core.config import FilterSection
 from pipeline_core.render_sample import chat_json
 from spark_jobs.chat_format import ChatTokenizer, load_tokenizer
-from spark_jobs.conversation import ConversationOptions, RenderError, build_conversation
+from spark_jobs.conversation import ConversationOptions, RenderError, build_conversation, build_documents
 from spark_jobs.filter_rows import conversation_options
 from spark_jobs.packing import Document, LengthLimits, make_document
 
 DOC_SCHEMA = (
     "id string, key long, split string, input_ids array<int>, labels array<int>, n_prompt int, n_answer int, "
     "truncated boolean, reason string, raw string, chat string, category string, n_tokens int, n_tokens_visible int, "
-    "reasoning_dropped boolean, split_at int"
+    "reasoning_dropped boolean, split_at int, doc int, source_split string, len_with_reasoning int, "
+    "len_without_reasoning int"
 )
 RENDER_COLUMNS = ("id", "category", "key", "split", "reason", "raw", "messages_json", "metadata", "reasoning",
                   "context_sentences", "context_turns", "context_question_scores", "rejected")
@@ -116,6 +123,7 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
     # drop_earlier_reasoning has already made the row as short as it may get: the rest is a reject
     overflow = "reject" if fcfg.overflow == "drop_earlier_reasoning" else fcfg.overflow
     limits = LengthLimits(fcfg.seq_len, fcfg.max_tokens, fcfg.min_answer_tokens, overflow)
+    plain = dataclasses.replace(opts, train_on_reasoning=False)
     pairs = fcfg.objective == "dpo"
     relevant = fcfg.prompt_context == "relevant"
     cols = [c for c in DOC_SCHEMA.split(", ")]
@@ -123,7 +131,9 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
     for pdf in batches:
         out: dict[str, list[Any]] = {k: [] for k in names}
         for rec in pdf.itertuples(index=False):
-            reason, raw, doc, chat, lengths, split_at = rec.reason, rec.raw, None, None, (None, None, None), None
+            reason, raw, docs, chat, split_at = rec.reason, rec.raw, [], None, None
+            lengths: tuple = (None, None, None)  # tokens as rendered, of the visible conversation, reasoning dropped
+            fit: tuple[int | None, int | None] = (None, None)  # tokens with / without the final reasoning
             if reason is None:
                 try:
                     messages = json.loads(rec.messages_json)
@@ -131,35 +141,64 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
                         messages = reduce_context(messages, rec.context_sentences, rec.context_turns,
                                                   rec.context_question_scores, tok, fcfg.relevant_context_tokens,
                                                   fcfg.relevant_top_k)
+                    got: Any = None
                     if pairs:
                         got = render_pair(messages, rec.rejected, rec, tok, fcfg, opts)
+                        if isinstance(got[0], Document):
+                            (pair, split_at), got = got, None
+                            docs.append(pair)
                     else:
-                        conv, rendered, *lengths = render_lengths(messages, rec, opts, tok, fcfg)
-                        got = make_document(rendered.input_ids, rendered.targets, limits, tok.eos_id)
-                        if sample_below is not None and int(rec.key) < sample_below:
-                            chat = chat_json(*tok.template_messages(conv))
+                        convs = build_documents(messages, rec.metadata, rec.reasoning, opts)
+                        whole, rendered_whole, *lengths = render_lengths(messages, rec, opts, tok, fcfg)
+                        rendered = [tok.render(c, fcfg.train_on) for c in convs[:-1]] + [rendered_whole]
+                        fit = _lengths(rendered_whole, messages, rec, plain, opts, tok, fcfg)
+                        for r in [rendered[-1], *rendered[:-1]]:  # the whole conversation first: doc 0
+                            d = make_document(r.input_ids, r.targets, limits, tok.eos_id)
+                            if isinstance(d, tuple):
+                                got = d
+                                break
+                            docs.append(d)
+                        if got is None and sample_below is not None and int(rec.key) < sample_below:
+                            chat = chat_json(*tok.template_messages(whole))
                 except RenderError as e:
                     got = (e.reason, e.detail)
-                if pairs and isinstance(got, tuple) and isinstance(got[0], Document):
-                    got, split_at = got
                 if isinstance(got, tuple):
-                    reason, raw = got[0], _raw(rec, got[1])
-                else:
-                    doc = got
-            out["id"].append(rec.id)
-            out["key"].append(rec.key)
-            out["split"].append(rec.split)
-            out["input_ids"].append(doc.input_ids if doc else None)
-            out["labels"].append(doc.labels if doc else None)
-            out["n_prompt"].append(doc.n_prompt if doc else None)
-            out["n_answer"].append(doc.n_answer if doc else None)
-            out["truncated"].append(doc.truncated if doc else None)
-            out["reason"].append(reason)
-            out["raw"].append(raw)
-            out["chat"].append(chat if doc else None)
-            out["category"].append(rec.category)
-            out["n_tokens"].append(lengths[0])
-            out["n_tokens_visible"].append(lengths[1])
-            out["reasoning_dropped"].append(lengths[2])
-            out["split_at"].append(split_at)
+                    reason, raw, docs = got[0], _raw(rec, got[1]), []
+            for j, doc in enumerate(docs or [None]):
+                first = j == 0  # the whole conversation (or the pair); later docs: earlier trained turns
+                out["id"].append(rec.id)
+                out["key"].append(rec.key)  # the record's; (key, doc) orders its documents
+                out["split"].append(rec.split)
+                out["input_ids"].append(doc.input_ids if doc else None)
+                out["labels"].append(doc.labels if doc else None)
+                out["n_prompt"].append(doc.n_prompt if doc else None)
+                out["n_answer"].append(doc.n_answer if doc else None)
+                out["truncated"].append(doc.truncated if doc else None)
+                out["reason"].append(reason)
+                out["raw"].append(raw)
+                out["chat"].append(chat if doc and first else None)
+                out["category"].append(rec.category)
+                out["n_tokens"].append(lengths[0] if first else None)
+                out["n_tokens_visible"].append(lengths[1] if first else None)
+                out["reasoning_dropped"].append(lengths[2] if first else None)
+                out["split_at"].append(split_at)
+                out["doc"].append(j)
+                out["source_split"].append(getattr(rec, "source_split", None))
+                out["len_with_reasoning"].append(fit[0] if first else None)
+                out["len_without_reasoning"].append(fit[1] if first else None)
         yield pd.DataFrame(out)
+
+
+def _lengths(whole, messages, rec, plain, opts, tok: ChatTokenizer, fcfg: FilterSection) -> tuple[int, int]:
+    """Tokens of the whole conversation with its final reasoning and without (rendered once more
+    only when the two differ)."""
+    from spark_jobs.conversation import build_conversation
+    from spark_jobs.normalize import message_parts
+
+    n = len(whole.input_ids)
+    last = next((m for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "assistant"), None)
+    if last is None or not message_parts(last)[1]:
+        return n, n  # no reasoning to add or remove
+    other_opts = plain if opts.train_on_reasoning else dataclasses.replace(opts, train_on_reasoning=True)
+    other = len(tok.render(build_conversation(messages, rec.metadata, rec.reasoning, other_opts), fcfg.train_on).input_ids)
+    return (n, other) if opts.train_on_reasoning else (other, n)

@@ -68,6 +68,9 @@ KIND = "train-ready"
 INPUT_KIND = "enriched"
 STAGE = "filter"
 SPEC = StageSpec(STAGE, KIND, "mft-filter")
+# per kept record, beside the packed rows (`provenance/*.parquet`; the trainer reads data/ only)
+PROVENANCE = (("license", "string"), ("generator", "string"), ("used_in", "array<string>"),
+              ("seed_dataset", "string"), ("source_split", "string"))
 
 
 def _input_paths(input_uri: str, manifest: Manifest, cfg: Config, ctx: StageContext) -> list[str]:
@@ -143,7 +146,8 @@ def _compute(ctx: StageContext, input_uri: str, in_manifest: Manifest, cfg: Conf
         decon = (decontaminate.prepare(spark, list(eval_sets), fcfg, download_dir(staging), cfg.storage, ctx.persist)
                  if eval_sets else None)
         reports: list = []
-        decided = filter_rows.decisions(ctx, filter_rows.keyed(df, fcfg), fcfg, reports, decon)
+        row_stats: dict = {}
+        decided = filter_rows.decisions(ctx, filter_rows.keyed(df, fcfg), fcfg, reports, decon, row_stats)
         j = filter_rows.located(df).join(decided, ["_file", "_row"])  # one row each side: a 1:1 join
         reason, split = F.col("reason"), F.col("split")
         raw = F.when(reason.isNotNull(), F.to_json(F.struct(
@@ -159,14 +163,18 @@ def _compute(ctx: StageContext, input_uri: str, in_manifest: Manifest, cfg: Conf
             opt("context_turns", "array<int>").alias("context_turns"),
             opt("context_question_scores", "array<double>").alias("context_question_scores"),
             opt("rejected", "string").alias("rejected"),  # objective dpo: the rejected answer
+            opt("source_split", "string").alias("source_split"),
         )
         sample_below = key_threshold(fcfg.render_sample_documents, n_in)
         write_parquet(render_in.mapInPandas(lambda it: render_partitions(it, fcfg, sample_below), DOC_SCHEMA), docs_uri)
         info["rows"] = n_in
+        provenance = j.select(F.col("_key").alias("key"), *[opt(c, t).alias(c) for c, t in PROVENANCE])
 
     try:
         decon_info = next((r for r in reports if isinstance(r, DecontamInfo)), None)
-        counts, extra = _pack_and_describe(ctx, docs_uri, n_in, cfg, tok, decon_info)
+        counts, extra = _pack_and_describe(ctx, docs_uri, n_in, cfg, tok, decon_info, provenance)
+        if "identity_matches_kept" in row_stats:
+            extra["identity_matches_kept"] = row_stats["identity_matches_kept"]
         # method, parameters and the recall measured on this data (spark_jobs/dedup.py)
         near = [r for r in reports if isinstance(r, NearDupReport)]
         extra["near_duplicates"] = near[0].as_manifest() if near else None
@@ -197,14 +205,16 @@ def _length_fit(docs, fcfg) -> dict[str, Any]:
 
 
 def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config, tok,
-                       decon: DecontamInfo | None = None) -> tuple[dict, dict]:
+                       decon: DecontamInfo | None = None, provenance=None) -> tuple[dict, dict]:
     from pyspark.sql import functions as F
 
     fcfg, spark, timer, staging = cfg.filter, ctx.spark, ctx.timer, ctx.staging
     with timer.step("count+rejects") as info:
         docs = spark.read.parquet(docs_uri)
+        first = F.col("doc") == 0  # a record's first row carries its accounting; later rows are its prefix documents
         stats = (docs.groupBy("split", "reason")
-                 .agg(F.count(F.lit(1)).alias("n"), F.sum(F.size("input_ids")).alias("tokens"),
+                 .agg(F.sum(first.cast("int")).alias("n"), F.count(F.lit(1)).alias("docs"),
+                      F.sum(F.size("input_ids")).alias("tokens"),
                       F.sum("n_answer").alias("answer_tokens"), F.sum(F.col("truncated").cast("int")).alias("truncated"))
                  .collect())
         if sum(r["n"] for r in stats) != n_in:
@@ -226,12 +236,12 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
     pairs = fcfg.objective == "dpo"  # one preference pair per row (chosen, rejected), never packed together
     for split in SPLITS:
         row = next((r for r in stats if r["reason"] is None and r["split"] == split), None)
-        n_docs, doc_tokens = (row["n"], int(row["tokens"])) if row else (0, 0)
+        n_docs, doc_tokens = (row["docs"], int(row["tokens"])) if row else (0, 0)
         with timer.step(f"pack {split}") as info:
             n_parts = max(1, math.ceil(doc_tokens / fcfg.shard_tokens))
             part = (docs.filter((F.col("split") == split) & F.col("reason").isNull())
-                    .select("key", "input_ids", "labels", "split_at")
-                    .repartition(n_parts, "key").sortWithinPartitions("key"))
+                    .select("key", "doc", "input_ids", "labels", "split_at")
+                    .repartition(n_parts, "key").sortWithinPartitions("key", "doc"))
             files = write_parquet(part.mapInPandas(lambda it: pack_partitions(it, seq_len, pad_id, buffer_docs, pairs),
                                                    ROW_SCHEMA),
                                   uris.qualify(staging / "data" / split))
@@ -239,7 +249,7 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
             info["tokens"] = doc_tokens
         slots = n_rows * seq_len
         splits[split] = {
-            "documents": n_docs, "rows": n_rows, "files": len(files), "doc_tokens": doc_tokens,
+            "records": int(row["n"]) if row else 0, "documents": n_docs, "rows": n_rows, "files": len(files), "doc_tokens": doc_tokens,
             "answer_tokens": int(row["answer_tokens"]) if row else 0,
             "truncated": int(row["truncated"] or 0) if row else 0,
             "slots": slots, "packing_efficiency": round(doc_tokens / slots, 4) if slots else None,
@@ -285,10 +295,45 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
         "split_rule": f"{SPLIT_RULE} (seed={fcfg.seed}, val_fraction={fcfg.val_fraction}, "
                       f"val_max_documents={fcfg.val_max_documents})",
     }
-    counts = {"in": n_in, "out": sum(s["documents"] for s in splits.values()), "rejected": dict(sorted(rejected.items()))}
+    extra["source_splits"] = source_split_report(docs, seq_len)
+    if provenance is not None:
+        with timer.step("provenance") as info:
+            kept = docs.filter(F.col("reason").isNull() & first).select("key", "id", "split")
+            per = docs.filter(F.col("reason").isNull()).groupBy("key").agg(F.count(F.lit(1)).alias("documents"))
+            prov = kept.join(per, "key").join(provenance, "key").drop("key").repartition(1).sortWithinPartitions("id")
+            write_parquet(prov, uris.qualify(staging / "provenance"))
+        extra["licenses"] = {(r[0] if r[0] is not None else ""): int(r[1]) for r in
+                             spark.read.parquet(uris.qualify(staging / "provenance")).groupBy("license").count().collect()}
+    counts = {"in": n_in, "out": sum(s["records"] for s in splits.values()), "rejected": dict(sorted(rejected.items()))}
     log.info("[filter] %d in, %d kept, rejected %s; tokens %s; packing efficiency %s",
              n_in, counts["out"], counts["rejected"], extra["tokens"], extra["packing_efficiency"])
     return counts, extra
+
+
+def source_split_report(docs, seq_len: int) -> dict[str, dict[str, Any]]:
+    """Per input split (the enriched `source_split`): records in, rejected by reason, kept, and how
+    many of the rendered conversations fit `seq_len` with and without their reasoning."""
+    from pyspark.sql import functions as F
+
+    first = docs.filter(F.col("doc") == 0)
+    out: dict[str, dict[str, Any]] = {}
+    for r in (first.groupBy("source_split", "reason")
+              .agg(F.count(F.lit(1)).alias("n"), F.count("len_with_reasoning").alias("measured"),
+                   F.sum((F.col("len_with_reasoning") <= seq_len).cast("int")).alias("fit_with"),
+                   F.sum((F.col("len_without_reasoning") <= seq_len).cast("int")).alias("fit_without"))
+              .collect()):
+        c = out.setdefault(r["source_split"] or "", {"in": 0, "out": 0, "rejected": {}, "measured": 0,
+                                                     "fit_seq_len_with_reasoning": 0,
+                                                     "fit_seq_len_without_reasoning": 0})
+        c["in"] += r["n"]
+        if r["reason"] is None:
+            c["out"] += r["n"]
+        else:
+            c["rejected"][r["reason"]] = r["n"]
+        c["measured"] += r["measured"]
+        c["fit_seq_len_with_reasoning"] += int(r["fit_with"] or 0)
+        c["fit_seq_len_without_reasoning"] += int(r["fit_without"] or 0)
+    return dict(sorted(out.items()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,7 +6,9 @@ white space collapsed, case folded). Every answer to the same prompt therefore l
 side (v1 has ~7.5 answers per question in math/stem), and neither the run, the partitioning, the
 other records nor the tokenizer can move a prompt. The fraction is the first 52 bits of
 sha256(f"{seed}:{prompt_key}") over 2**52, defined the same way in Spark SQL and in Python, so any
-tool can recompute a record's split (the manifest publishes `SPLIT_RULE`).
+tool can recompute a record's split (the manifest publishes `SPLIT_RULE`). Rows of the SFT collection
+cut from one seed conversation (several rows, different trained turns) share one prompt key, the
+seed's (`conversation.seed_prompt_key`), so they land on one side (issue 28).
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ TRAIN, VAL = "train", "val"
 SPLITS = (TRAIN, VAL)
 _BITS = 52  # 13 hex digits: exact in a double
 SPLIT_RULE = ("val iff int(sha256(f'{seed}:{prompt_key}')[:13], 16) / 2**52 < val_fraction, where prompt_key = "
-              "sha256 hex of the canonical prompt (spark_jobs.conversation.prompt_text); then at most "
+              "sha256 hex of the canonical prompt (spark_jobs.conversation.prompt_text), or of the seed conversation "
+              "for rows cut from one (conversation.seed_prompt_key: metadata.seed_dataset + seed_prompt_sha256); "
+              "then at most "
               "val_max_documents val documents, whole prompts in hash order, the rest to train")
 
 

@@ -54,6 +54,12 @@ def test_report_artifact_has_its_pictures_and_numbers(sample):
     assert fit["splits"] and f"= {fit['seq_len']} per source split" in page
     for name, v in fit["splits"].items():
         assert f'data-metric="fit-{name}">{v["fit"]}</td>' in page
+    # per input split: rows in as enrich counted them, and the seq_len fit with / without reasoning (issue 28)
+    ss = m.extra["source_splits"]
+    assert {s: v["in"] for s, v in ss.items()} == {s: v["in"] for s, v in en.extra["splits"].items()}
+    assert all(v["fit_with"] <= v["fit_without"] <= v["measured"] and v["measured"] >= v["kept"] for v in ss.values()), ss
+    assert sum(v["fit_with"] for v in ss.values()) < sum(v["fit_without"] for v in ss.values())  # traces cost
+    assert m.extra["withheld_without_key"] == en.counts["rejected"]["prompt_withheld"] == 4
 
 
 def test_page_renders_in_chromium_and_matches_the_manifests(sample, tmp_path):

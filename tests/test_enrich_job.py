@@ -60,10 +60,16 @@ def test_artifact_follows_the_contract(sample_run):
     data, m = sample_run["data"], sample_run["manifest"]
     for name, typ in CONTRACT.items():
         assert data.schema.field(name).type == typ, name
-    assert data.schema.field("messages").type == sample_data.arrow_schema().field("messages").type
+    # v1's message type + the SFT collection's reasoning_content (issue 28)
+    msg = data.schema.field("messages").type.value_type
+    v1 = sample_data.arrow_schema().field("messages").type.value_type
+    assert [msg.field(i).name for i in range(msg.num_fields)] == ["role", "content", "reasoning_content", "tool_calls"]
+    assert all(msg.field(v1.field(i).name).type == v1.field(i).type for i in range(v1.num_fields))
     assert m.kind == "enriched" and m.extra["embedding_dim"] == 384
     assert set(m.extra["extra_columns"]) == {"question_embedding", "answer_embedding", "metadata", "context_turns",
-                                             "context_question_scores"}
+                                             "context_question_scores", "license", "generator", "used_in",
+                                             "seed_dataset", "source_split"}
+    assert m.extra["licenses"] == {"cc-by-4.0": m.counts["out"]} and m.extra["prompt_sources"] == {}
     assert sample_run["rejects"].column_names == ["id", "stage", "reason", "raw"]
     verify_artifact(sample_run["out"])  # every file present with its manifest's sha256
     assert {f["path"].split("/")[0] for f in m.files} == {"data", "rejects"}

@@ -165,7 +165,7 @@ def test_manifest_is_a_train_ready_info_with_tokens_and_efficiency(filtered):
     assert "[INST]" in info.tokenizer.chat_template
     assert extra["tokenizer_details"]["file"] == "tokenizer.model.v1" and len(extra["tokenizer_details"]["sha256"]) == 64
     assert info.seq_len == 128 and extra["pad_token_id"] == 0
-    assert info.train_on == "all_assistant_turns" and info.prompt_context == "conversation"
+    assert info.train_on == "dataset_flags" and info.prompt_context == "conversation"  # issue 28 default
     non_pad = slots = 0
     for split in ("train", "val"):
         rows = read_rows(filtered.local, split)
