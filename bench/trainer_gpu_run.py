@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.training_helpers import kill_tree, train_cmd, train_env  # noqa: E402  (the e2e test's launcher)
+from training.launch import kill_tree, process_env, standalone_argv  # noqa: E402  (the product's launcher)
 
 TOKENIZER_FILE = REPO / "bench" / "assets" / "tokenizer.model.v1"  # copied from mistral-common
 
@@ -123,7 +123,7 @@ def main() -> int:
     rows = args.steps * args.micro_batch * args.grad_accum
     input_uri = make_data(store, work / "ready", args.seq_len, rows, val_rows=16)
     results: dict = {"args": vars(args), "runs": {}}
-    env = train_env(cpu=False)
+    env = process_env(cpu=False)
     for variant in args.variants.split(","):
         run_id = f"gpu-{variant}"
         run_uri = uris.join(store, "runs", run_id)
@@ -142,7 +142,7 @@ def main() -> int:
         t0 = time.time()
         kill = variant == "fp32_accum"
         with log1.open("w") as log:
-            proc = subprocess.Popen(train_cmd(input_uri, run_uri, cfg_path, nproc=1), env=env, cwd=REPO, stdout=log,
+            proc = subprocess.Popen(standalone_argv(input_uri, run_uri, cfg_path, nproc=1), env=env, cwd=REPO, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             first_ckpt = layout.checkpoint_uri(run_uri, args.steps // 2)
             while proc.poll() is None:
@@ -155,7 +155,7 @@ def main() -> int:
         if kill:
             log2 = out / f"{run_id}-2.log"
             with log2.open("w") as log:
-                r["resume_rc"] = subprocess.run(train_cmd(input_uri, run_uri, cfg_path, nproc=1), env=env, cwd=REPO,
+                r["resume_rc"] = subprocess.run(standalone_argv(input_uri, run_uri, cfg_path, nproc=1), env=env, cwd=REPO,
                                                 stdout=log, stderr=subprocess.STDOUT).returncode
             r["resumed"] = "resumed from" in log2.read_text()
         r["wall_s"] = time.time() - t0

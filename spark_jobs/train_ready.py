@@ -55,8 +55,9 @@ class SplitStats:
 def describe(*, seq_len: int, tokenizer: TokenizerSpec, splits: Mapping[str, SplitStats], n_in: int,
              rejected: Mapping[str, int], train_on: str | None, prompt_context: str | None,
              render_sample_documents: int, tokenizer_details: Mapping[str, Any] | None = None,
-             split_rule: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(counts, extra) of a train-ready manifest; refuses counts that lose records."""
+             split_rule: str | None = None, pad_id: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(counts, extra) of a train-ready manifest; refuses counts that lose records. `pad_id`: the
+    rows' padding id when the tokenizer names none."""
     out = sum(s.documents for s in splits.values())
     if n_in != out + sum(rejected.values()):
         raise RuntimeError(f"row counts do not add up: {n_in} rows in, {out} kept + {sum(rejected.values())} rejected")
@@ -77,7 +78,7 @@ def describe(*, seq_len: int, tokenizer: TokenizerSpec, splits: Mapping[str, Spl
         **info.to_extra(),
         "schema": "train-ready",
         "tokenizer_details": dict(tokenizer_details or {}),
-        "pad_token_id": tokenizer.pad_id,
+        "pad_token_id": tokenizer.pad_id if pad_id is None else pad_id,
         "label_ignore_index": IGNORE_INDEX,
         "columns": COLUMNS,
         "splits": {s: v.as_manifest(seq_len) for s, v in splits.items()},
@@ -117,14 +118,16 @@ def stage_train_ready(local_dir: Path, documents: Mapping[str, Sequence[Document
                       sample: Sequence[SampleDocument] = (), files: Mapping[str, int] | None = None,
                       train_on: str | None = None, prompt_context: str | None = None,
                       tokenizer_details: Mapping[str, Any] | None = None,
-                      split_rule: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+                      split_rule: str | None = None, pad_id: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Pack each split's documents into `local_dir/data/<split>/part-NNNNN.parquet` (`files[split]`
-    files, default one), write the render sample, and return the manifest's (counts, extra)."""
-    if tokenizer.pad_id is None:
-        raise ValueError(f"tokenizer {tokenizer.name!r}: no pad_id; packing needs one")
+    files, default one), write the render sample, and return the manifest's (counts, extra).
+    `pad_id` overrides the tokenizer's (one that names none: random-token benchmarks)."""
+    pad_id = tokenizer.pad_id if pad_id is None else pad_id
+    if pad_id is None:
+        raise ValueError(f"tokenizer {tokenizer.name!r} names no pad_id: pass pad_id, packing needs one")
     stats: dict[str, SplitStats] = {}
     for split, docs in documents.items():
-        rows = pack_rows(docs, seq_len, tokenizer.pad_id)
+        rows = pack_rows(docs, seq_len, pad_id)
         n_files = max(1, min((files or {}).get(split, 1), len(rows)))
         per = -(-len(rows) // n_files) if rows else 0
         for i in range(n_files):
@@ -138,7 +141,7 @@ def stage_train_ready(local_dir: Path, documents: Mapping[str, Sequence[Document
     n_in = sum(s.documents for s in stats.values()) + sum(rejected.values())
     return describe(seq_len=seq_len, tokenizer=tokenizer, splits=stats, n_in=n_in, rejected=rejected,
                     train_on=train_on, prompt_context=prompt_context, render_sample_documents=len(sample),
-                    tokenizer_details=tokenizer_details, split_rule=split_rule)
+                    tokenizer_details=tokenizer_details, split_rule=split_rule, pad_id=pad_id)
 
 
 def write_train_ready(uri: str, local_dir: Path, documents: Mapping[str, Sequence[Document]], *, seq_len: int,
