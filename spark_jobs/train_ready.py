@@ -97,10 +97,22 @@ def document(input_ids: Sequence[int] | np.ndarray, labels: Sequence[int] | np.n
     return Document(ids, lab, len(ids) - n_answer, n_answer, truncated)
 
 
-def pack_rows(docs: Sequence[Document], seq_len: int, pad_id: int) -> list[dict[str, list[int]]]:
-    """Production packing (packing.pack) of documents into train-ready rows."""
-    return [{"input_ids": a.tolist(), "labels": b.tolist(), "position_ids": c.tolist()}
-            for a, b, c in pack([(d.input_ids, d.labels) for d in docs], seq_len, pad_id)]
+def pack_rows(docs: Sequence[Document], seq_len: int, pad_id: int,
+              buffers: int | Sequence[int] | None = None) -> list[dict[str, list[int]]]:
+    """Production packing (packing.pack) of documents into train-ready rows, one buffer of
+    consecutive documents at a time: `buffers` documents each (the filter stage's
+    `pack_buffer_docs`), the given buffer sizes in order, or (None) all at once."""
+    if buffers is None or isinstance(buffers, int):
+        step = buffers or max(1, len(docs))
+        buffers = [min(step, len(docs) - at) for at in range(0, len(docs), step)]
+    if sum(buffers) != len(docs):
+        raise ValueError(f"buffer sizes sum to {sum(buffers)}, not the {len(docs)} documents")
+    rows, at = [], 0
+    for n in buffers:
+        rows += [{"input_ids": a.tolist(), "labels": b.tolist(), "position_ids": c.tolist()}
+                 for a, b, c in pack([(d.input_ids, d.labels) for d in docs[at:at + n]], seq_len, pad_id)]
+        at += n
+    return rows
 
 
 def write_rows(path: Path, rows: Sequence[Mapping[str, Sequence[int]]]) -> None:
@@ -118,16 +130,18 @@ def stage_train_ready(local_dir: Path, documents: Mapping[str, Sequence[Document
                       sample: Sequence[SampleDocument] = (), files: Mapping[str, int] | None = None,
                       train_on: str | None = None, prompt_context: str | None = None,
                       tokenizer_details: Mapping[str, Any] | None = None,
-                      split_rule: str | None = None, pad_id: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+                      split_rule: str | None = None, pad_id: int | None = None,
+                      buffers: int | Mapping[str, Sequence[int]] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Pack each split's documents into `local_dir/data/<split>/part-NNNNN.parquet` (`files[split]`
     files, default one), write the render sample, and return the manifest's (counts, extra).
-    `pad_id` overrides the tokenizer's (one that names none: random-token benchmarks)."""
+    `pad_id` overrides the tokenizer's (one that names none: random-token benchmarks); `buffers`
+    as `pack_rows` (per split when a mapping: documents made to fill rows exactly stay one row each)."""
     pad_id = tokenizer.pad_id if pad_id is None else pad_id
     if pad_id is None:
         raise ValueError(f"tokenizer {tokenizer.name!r} names no pad_id: pass pad_id, packing needs one")
     stats: dict[str, SplitStats] = {}
     for split, docs in documents.items():
-        rows = pack_rows(docs, seq_len, pad_id)
+        rows = pack_rows(docs, seq_len, pad_id, buffers.get(split) if isinstance(buffers, Mapping) else buffers)
         n_files = max(1, min((files or {}).get(split, 1), len(rows)))
         per = -(-len(rows) // n_files) if rows else 0
         for i in range(n_files):
