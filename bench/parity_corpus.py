@@ -153,7 +153,7 @@ def pack(args) -> int:
         out, splits, seq_len=args.seq_len, tokenizer=tok.spec_for_manifest(), rejected=meta["rejected"],
         train_on=fcfg.train_on, prompt_context=fcfg.prompt_context, tokenizer_details=tok.identity(),
         split_rule=f"1 in {VAL_EVERY} documents (by content hash) to val", buffers=fcfg.pack_buffer_docs)
-    (out / "train_ready.json").write_text(json.dumps({"counts": counts, "extra": extra, "source": meta}, indent=1))
+    (out / "train_ready.json").write_text(json.dumps({"counts": counts, "info": extra, "source": meta}, indent=1))
     print(json.dumps({"splits": extra["splits"], "packing_efficiency": extra["packing_efficiency"], "out": str(out)}))
     return 0
 

@@ -460,7 +460,7 @@ def publish_ready_dir(root: Path, data_dir: Path) -> str:
     uri = uris.join(uris.qualify(root / "store"), "datasets", "bench", "train", f"text-{data_dir.name}")
     if read_manifest(uri) is None:
         meta = json.loads((data_dir / "train_ready.json").read_text())
-        publish_artifact(data_dir, uri, kind="train-ready", counts=meta["counts"], extra=meta["extra"])
+        publish_artifact(data_dir, uri, kind="train-ready", counts=meta["counts"], extra=meta["info"])
     return uri
 
 
@@ -493,7 +493,7 @@ def setup_trainer(args, device: Device):
     rank = torch.distributed.get_rank()
     base = mistral_config(args.model, args.seq_len, sliding_window=args.sliding_window, layers=args.layers)
     if args.data and args.model == "tiny":  # the CPU dry run of a real-text row: the tokenizer's vocabulary
-        base.vocab_size = json.loads((Path(args.data) / "train_ready.json").read_text())["extra"]["tokenizer"]["vocab_size"]
+        base.vocab_size = json.loads((Path(args.data) / "train_ready.json").read_text())["info"]["tokenizer"]["vocab_size"]
     model_dir = work / f"model-{args.model}-{base.num_hidden_layers}L-{base.vocab_size}"
     world = torch.distributed.get_world_size()
     dp = world // args.stages
