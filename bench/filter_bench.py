@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.skip != "lsh":
             from pipeline_core.config import EnrichSection
             from pipeline_core.sample_data import generate
+            from spark_jobs.embeddings import encode
             from spark_jobs.enrich import normalise_raw
-            from tests.filter_helpers import embed
 
             qa = []
             for recs in generate(rows=300, seed=0).values():
@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                                       None, EnrichSection())
                     if n["reason"] is None:
                         qa.append((n["question"], n["answer"]))
-            centres = np.concatenate([embed([q for q, _ in qa]), embed([a for _, a in qa])], axis=1)
+            model = EnrichSection().embedding_model  # the product's encoder and default model (bundled MiniLM)
+            centres = np.concatenate([encode([q for q, _ in qa], model), encode([a for _, a in qa], model)], axis=1)
             bench_lsh(spark, 2000, centres, work)  # warm-up: JVM, Python workers
             small = bench_lsh(spark, args.lsh_rows, centres, work, topics=args.topics)
             print(json.dumps(small), flush=True)

@@ -15,9 +15,10 @@ Two steps, so the large part travels small:
 
 ``render`` runs the filter stage's ``render_partitions`` (chat template, ``train_on``, length limits;
 rejects counted) and stores the documents compactly (token ids as uint16, the loss mask as bits).
-``pack`` runs the filter stage's ``pack_partitions`` (best-fit decreasing, positions restarting
-per document) and writes ``DIR/data/{train,val}/part-00000.parquet`` in the train-ready columns plus
-``DIR/train_ready.json`` (the ``TrainReadyInfo`` the filter stage would put in the manifest);
+``pack`` runs the product's train-ready writer (spark_jobs/train_ready.py: the filter stage's
+packing, best-fit decreasing in buffers of ``pack_buffer_docs``, positions restarting per document)
+and writes ``DIR/data/{train,val}/part-00000.parquet`` in the train-ready columns plus
+``DIR/train_ready.json`` (the manifest's counts and ``extra``, a ``TrainReadyInfo``, as it describes them);
 ``bench/train_throughput.py --data DIR`` publishes it as a committed artifact and trains on it.
 """
 
@@ -137,45 +138,23 @@ def load_documents(path: Path) -> tuple[dict, list[tuple[np.ndarray, np.ndarray,
 
 
 def pack(args) -> int:
-    import pandas as pd
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     from pipeline_core.config import FilterSection
-    from pipeline_core.handoffs import TrainReadyInfo
     from spark_jobs.chat_format import load_tokenizer
-    from spark_jobs.packing import pack_partitions
+    from spark_jobs.train_ready import document, stage_train_ready
 
     meta, docs = load_documents(args.docs)
     if args.seq_len != meta["seq_len"]:
         raise SystemExit(f"--seq-len {args.seq_len}: the documents were rendered for seq_len {meta['seq_len']}")
     tok = load_tokenizer(meta["tokenizer"])
     out = Path(args.out)
-    stats: dict[str, dict[str, int]] = {}
-    for split, is_val in (("train", False), ("val", True)):
-        mine = [(ids, lab) for ids, lab, v in docs if v == is_val]
-        frame = pd.DataFrame({"input_ids": [d[0] for d in mine], "labels": [d[1] for d in mine]})
-        rows = [r for part in pack_partitions(iter([frame]), args.seq_len, tok.pad_id, FilterSection().pack_buffer_docs)
-                for r in part.itertuples(index=False)]
-        table = pa.table({c: pa.array([np.asarray(getattr(r, c), dtype=np.int32) for r in rows], type=pa.list_(pa.int32()))
-                          for c in ("input_ids", "labels", "position_ids")})
-        path = out / "data" / split / "part-00000.parquet"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(table, path, compression="zstd")
-        n_tok = sum(len(d[0]) for d in mine)
-        stats[split] = {"documents": len(mine), "rows": len(rows), "tokens": n_tok,
-                        "target_tokens": int(sum(int((d[1] != -100).sum()) for d in mine))}
-    info = TrainReadyInfo(
-        seq_len=args.seq_len, tokenizer=tok.spec_for_manifest(),
-        tokens={s: v["tokens"] for s, v in stats.items()}, target_tokens={s: v["target_tokens"] for s, v in stats.items()},
-        documents={s: v["documents"] for s, v in stats.items()}, sequences={s: v["rows"] for s, v in stats.items()},
-        packing_efficiency=round(sum(v["tokens"] for v in stats.values())
-                                 / (args.seq_len * sum(v["rows"] for v in stats.values())), 4),
-        train_on=FilterSection().train_on, prompt_context=FilterSection().prompt_context)
-    (out / "train_ready.json").write_text(json.dumps({"info": info.to_extra(), "source": meta,
-                                                      "counts": {"in": len(docs) + sum(meta["rejected"].values()), "out": len(docs),
-                                                                 "rejected": meta["rejected"]}}, indent=1))
-    print(json.dumps({"splits": stats, "packing_efficiency": info.packing_efficiency, "out": str(out)}))
+    fcfg = FilterSection()
+    splits = {s: [document(ids, lab) for ids, lab, v in docs if v == (s == "val")] for s in ("train", "val")}
+    counts, extra = stage_train_ready(  # the product writer's files and description, committed later
+        out, splits, seq_len=args.seq_len, tokenizer=tok.spec_for_manifest(), rejected=meta["rejected"],
+        train_on=fcfg.train_on, prompt_context=fcfg.prompt_context, tokenizer_details=tok.identity(),
+        split_rule=f"1 in {VAL_EVERY} documents (by content hash) to val", buffers=fcfg.pack_buffer_docs)
+    (out / "train_ready.json").write_text(json.dumps({"counts": counts, "info": extra, "source": meta}, indent=1))
+    print(json.dumps({"splits": extra["splits"], "packing_efficiency": extra["packing_efficiency"], "out": str(out)}))
     return 0
 
 

@@ -429,25 +429,29 @@ def setup_pipeline(args, device: Device):
 def write_train_ready(root: Path, *, seq_len: int, rows: int, vocab: int, docs: str, seed: int,
                       objective: str = "sft") -> str:
     """A committed train-ready artifact of random tokens (``docs``: one causal document per row,
-    or packed documents), published like the filter stage does, for the trainer's own loader."""
+    or packed documents), written by the product writer (spark_jobs/train_ready.py), for the
+    trainer's own loader; each row's documents are one packing buffer, so every row stays full."""
     from pipeline_core import uris
-    from pipeline_core.artifacts import publish_artifact, read_manifest
-    from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo
-    from tests.training_helpers import write_rows
+    from pipeline_core.artifacts import read_manifest
+    from pipeline_core.handoffs import TokenizerSpec
+    from spark_jobs.packing import split_documents
+    from spark_jobs.train_ready import document
+    from spark_jobs.train_ready import write_train_ready as write
 
     store = uris.qualify(root / "store")
     uri = uris.join(store, "datasets", "bench", "train", f"{docs}-{seq_len}-{rows}-{vocab}-{objective}")
     if read_manifest(uri) is not None:
         return uri
     batches = make_micro_batches(n=rows, micro_batch=1, seq_len=seq_len, vocab=vocab, docs=docs, seed=seed)
-    table = [{"input_ids": b["input_ids"][0].tolist(), "labels": b["labels"][0].tolist(),
-              "position_ids": b["position_ids"][0].tolist()} for b in batches]
-    local = root / "ready" / f"{docs}-{seq_len}"
-    write_rows(local / "data" / "train" / "part-00000.parquet", table)
-    write_rows(local / "data" / "val" / "part-00000.parquet", table[:2])
-    info = TrainReadyInfo(seq_len=seq_len, tokenizer=TokenizerSpec(name="mistral-v1", vocab_size=vocab),
-                          objective=objective)
-    publish_artifact(local, uri, kind="train-ready", counts={"in": rows, "out": rows}, extra=info.to_extra())
+    documents = []
+    for b in batches:
+        ids, labels, pos = (b[k][0].numpy() for k in ("input_ids", "labels", "position_ids"))
+        documents.append([document(ids[s:e], labels[s:e]) for s, e in split_documents(pos)])
+    write(uri, root / "ready" / f"{docs}-{seq_len}", {"train": [d for row in documents for d in row],
+                                                       "val": [d for row in documents[:2] for d in row]},
+          seq_len=seq_len, tokenizer=TokenizerSpec(name="mistral-v1", vocab_size=vocab), pad_id=0,
+          buffers={"train": [len(row) for row in documents], "val": [len(row) for row in documents[:2]]},
+          objective=objective)
     return uri
 
 

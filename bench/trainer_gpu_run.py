@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.training_helpers import kill_tree, train_cmd, train_env  # noqa: E402  (the e2e test's launcher)
+from training.launch import kill_tree, process_env, standalone_argv  # noqa: E402  (the product's launcher)
 
 TOKENIZER_FILE = REPO / "bench" / "assets" / "tokenizer.model.v1"  # copied from mistral-common
 
@@ -51,37 +51,38 @@ def make_model(out: Path, layers: int) -> Path:
 
 
 def make_data(store_uri: str, local: Path, seq_len: int, rows: int, val_rows: int) -> str:
+    """Random-token documents filling `rows` + `val_rows` rows, through the product writer
+    (spark_jobs/train_ready.py)."""
     import numpy as np
 
     from pipeline_core import uris
-    from pipeline_core.artifacts import publish_artifact, read_manifest
-    from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo
-    from tests.training_helpers import write_rows
+    from pipeline_core.artifacts import read_manifest
+    from pipeline_core.handoffs import IGNORE_INDEX, TokenizerSpec
+    from spark_jobs.train_ready import document, write_train_ready
 
     uri = uris.join(store_uri, "datasets", "gpu", "train", f"seq{seq_len}")
     if read_manifest(uri) is not None:
         return uri
     rng = np.random.default_rng(0)
 
-    def packed(n):
-        out = []
+    def documents(n):  # each row's documents fill it exactly; packed one row's worth at a time
+        out, sizes = [], []
         for _ in range(n):
-            ids, labels, pos = [], [], []
-            while len(ids) < seq_len:
-                doc = int(min(rng.integers(seq_len // 32, seq_len // 2), seq_len - len(ids)))
+            sizes.append(0)
+            used = 0
+            while used < seq_len:
+                doc = int(min(rng.integers(seq_len // 32, seq_len // 2), seq_len - used))
                 toks = rng.integers(3, 32000, doc).tolist()
-                ids += toks
-                labels += [-100] * (doc // 3) + toks[doc // 3:]  # prompt third carries no loss
-                pos += list(range(doc))
-            out.append({"input_ids": ids, "labels": labels, "position_ids": pos})
-        return out
+                out.append(document(toks, [IGNORE_INDEX] * (doc // 3) + toks[doc // 3:]))  # prompt third: no loss
+                used += doc
+                sizes[-1] += 1
+        return out, sizes
 
-    write_rows(local / "data" / "train" / "part-00000.parquet", packed(rows))
-    write_rows(local / "data" / "val" / "part-00000.parquet", packed(val_rows))
-    info = TrainReadyInfo(seq_len=seq_len, tokenizer=TokenizerSpec(name="mistral-v1", vocab_size=32000, bos_id=1,
-                          eos_id=2, chat_template="{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"))
-    publish_artifact(local, uri, kind="train-ready", counts={"in": rows + val_rows, "out": rows + val_rows},
-                     extra=info.to_extra())
+    spec = TokenizerSpec(name="mistral-v1", vocab_size=32000, bos_id=1, eos_id=2,
+                         chat_template="{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (train, train_sizes), (val, val_sizes) = documents(rows), documents(val_rows)
+    write_train_ready(uri, local, {"train": train, "val": val}, seq_len=seq_len, tokenizer=spec, pad_id=0,
+                      buffers={"train": train_sizes, "val": val_sizes})
     return uri
 
 
@@ -123,7 +124,7 @@ def main() -> int:
     rows = args.steps * args.micro_batch * args.grad_accum
     input_uri = make_data(store, work / "ready", args.seq_len, rows, val_rows=16)
     results: dict = {"args": vars(args), "runs": {}}
-    env = train_env(cpu=False)
+    env = process_env(cpu=False)
     for variant in args.variants.split(","):
         run_id = f"gpu-{variant}"
         run_uri = uris.join(store, "runs", run_id)
@@ -142,7 +143,7 @@ def main() -> int:
         t0 = time.time()
         kill = variant == "fp32_accum"
         with log1.open("w") as log:
-            proc = subprocess.Popen(train_cmd(input_uri, run_uri, cfg_path, nproc=1), env=env, cwd=REPO, stdout=log,
+            proc = subprocess.Popen(standalone_argv(input_uri, run_uri, cfg_path, nproc=1), env=env, cwd=REPO, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True)
             first_ckpt = layout.checkpoint_uri(run_uri, args.steps // 2)
             while proc.poll() is None:
@@ -155,7 +156,7 @@ def main() -> int:
         if kill:
             log2 = out / f"{run_id}-2.log"
             with log2.open("w") as log:
-                r["resume_rc"] = subprocess.run(train_cmd(input_uri, run_uri, cfg_path, nproc=1), env=env, cwd=REPO,
+                r["resume_rc"] = subprocess.run(standalone_argv(input_uri, run_uri, cfg_path, nproc=1), env=env, cwd=REPO,
                                                 stdout=log, stderr=subprocess.STDOUT).returncode
             r["resumed"] = "resumed from" in log2.read_text()
         r["wall_s"] = time.time() - t0

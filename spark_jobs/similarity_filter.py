@@ -40,7 +40,7 @@ from pipeline_core.artifacts import (
     sha256_file,
 )
 from pipeline_core.config import Config, load_config
-from pipeline_core.handoffs import IGNORE_INDEX, DecontamInfo, TrainReadyInfo
+from pipeline_core.handoffs import DecontamInfo
 from pipeline_core.render_sample import SAMPLE_DIR, SAMPLE_SCHEMA, key_threshold
 from spark_jobs.common import (
     StageContext,
@@ -61,10 +61,10 @@ from spark_jobs.packing import ROW_SCHEMA, pack_partitions
 from spark_jobs.partitioning import FILTER_ROWS_PER_PARTITION, stage_partitions
 from spark_jobs.render_docs import DOC_SCHEMA, render_partitions
 from spark_jobs.split import SPLIT_RULE, SPLITS
+from spark_jobs.train_ready import KIND, SplitStats, describe
 
 log = logging.getLogger("spark_jobs.filter")
 
-KIND = "train-ready"
 INPUT_KIND = "enriched"
 STAGE = "filter"
 SPEC = StageSpec(STAGE, KIND, "mft-filter")
@@ -231,7 +231,7 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
         info["rows"] = n_rej
 
     length_fit = _length_fit(docs, fcfg)
-    splits: dict[str, dict[str, Any]] = {}
+    splits: dict[str, SplitStats] = {}
     seq_len, pad_id, buffer_docs = fcfg.seq_len, tok.pad_id, fcfg.pack_buffer_docs  # plain values for the closure
     pairs = fcfg.objective == "dpo"  # one preference pair per row (chosen, rejected), never packed together
     for split in SPLITS:
@@ -247,54 +247,23 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
                                   uris.qualify(staging / "data" / split))
             n_rows = parquet_rows(files)
             info["tokens"] = doc_tokens
-        slots = n_rows * seq_len
-        splits[split] = {
-            "records": int(row["n"]) if row else 0, "documents": n_docs, "rows": n_rows, "files": len(files), "doc_tokens": doc_tokens,
-            "answer_tokens": int(row["answer_tokens"]) if row else 0,
-            "truncated": int(row["truncated"] or 0) if row else 0,
-            "slots": slots, "packing_efficiency": round(doc_tokens / slots, 4) if slots else None,
-        }
+        splits[split] = SplitStats(documents=n_docs, rows=n_rows, files=len(files), doc_tokens=doc_tokens,
+                                   answer_tokens=int(row["answer_tokens"]) if row else 0,
+                                   truncated=int(row["truncated"] or 0) if row else 0,
+                                   records=int(row["n"]) if row else 0)
     with timer.step("render sample") as info:
         sample = (docs.filter(F.col("reason").isNull() & F.col("chat").isNotNull()).orderBy("key")
                   .limit(fcfg.render_sample_documents).selectExpr(*[c.split(" ")[0] for c in SAMPLE_SCHEMA.split(", ")])
                   .coalesce(1))
         n_sample = parquet_rows(write_parquet(sample, uris.qualify(staging / SAMPLE_DIR)))
         info["rows"] = n_sample
-    total_slots = sum(s["slots"] for s in splits.values())
-    info = TrainReadyInfo(
-        seq_len=seq_len,
-        tokenizer=tok.spec_for_manifest(),
-        tokens={s: v["doc_tokens"] for s, v in splits.items()},
-        target_tokens={s: v["answer_tokens"] for s, v in splits.items()},
-        documents={s: v["documents"] for s, v in splits.items()},
-        sequences={s: v["rows"] for s, v in splits.items()},
-        packing_efficiency=round(sum(s["doc_tokens"] for s in splits.values()) / total_slots, 4) if total_slots else None,
-        train_on=fcfg.train_on,
-        prompt_context=fcfg.prompt_context,
-        render_sample_documents=n_sample,
-        decontamination=decon,
-        objective=fcfg.objective,
-    )
-    extra = {
-        **info.to_extra(),
-        "schema": "train-ready",
-        "tokenizer_details": tok.identity(),
-        "pad_token_id": pad_id,
-        "label_ignore_index": IGNORE_INDEX,
-        "columns": {
-            "input_ids": "int32[seq_len]",
-            "labels": "int32[seq_len]: = input_ids on trained tokens (assistant turns incl. </s>; not shifted), "
-                      "-100 on system, user, tool results and padding",
-            "position_ids": "int32[seq_len]: 0 at each document start; trailing padding is a segment of its own",
-            **({"pairs": "objective dpo: each row is one pair, document 1 the chosen side, document 2 the "
-                         "rejected side (labels on each final answer)"} if pairs else {}),
-        },
-        "splits": splits,
-        "truncated": sum(s["truncated"] for s in splits.values()),
-        "length_fit": length_fit,
-        "split_rule": f"{SPLIT_RULE} (seed={fcfg.seed}, val_fraction={fcfg.val_fraction}, "
-                      f"val_max_documents={fcfg.val_max_documents})",
-    }
+    counts, extra = describe(  # the same description as every in-process writer's (train_ready.py)
+        seq_len=seq_len, tokenizer=tok.spec_for_manifest(), splits=splits, n_in=n_in, rejected=rejected,
+        train_on=fcfg.train_on, prompt_context=fcfg.prompt_context, render_sample_documents=n_sample,
+        tokenizer_details=tok.identity(), objective=fcfg.objective, decontamination=decon,
+        split_rule=f"{SPLIT_RULE} (seed={fcfg.seed}, val_fraction={fcfg.val_fraction}, "
+                   f"val_max_documents={fcfg.val_max_documents})")
+    extra["length_fit"] = length_fit
     extra["source_splits"] = source_split_report(docs, seq_len)
     if provenance is not None:
         with timer.step("provenance") as info:
@@ -304,7 +273,6 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
             write_parquet(prov, uris.qualify(staging / "provenance"))
         extra["licenses"] = {(r[0] if r[0] is not None else ""): int(r[1]) for r in
                              spark.read.parquet(uris.qualify(staging / "provenance")).groupBy("license").count().collect()}
-    counts = {"in": n_in, "out": sum(s["records"] for s in splits.values()), "rejected": dict(sorted(rejected.items()))}
     log.info("[filter] %d in, %d kept, rejected %s; tokens %s; packing efficiency %s",
              n_in, counts["out"], counts["rejected"], extra["tokens"], extra["packing_efficiency"])
     return counts, extra

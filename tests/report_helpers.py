@@ -55,36 +55,40 @@ def build_sample(store_uri: str, staging: Path, spark=None) -> SampleArtifacts:
 SEQ = 48
 
 
-def packed_rows(n_rows: int, seed: int = 0):
-    """A pyarrow table of SEQ-token rows, two documents each (prompt masked, answer trained) + padding."""
+def row_documents(n_rows: int, seed: int = 0) -> list:
+    """Two documents per SEQ-token row (prompt half masked, answer trained), in row order."""
     import numpy as np
-    import pyarrow as pa
+
+    from spark_jobs.train_ready import document
 
     rng = np.random.default_rng(seed)
-    rows: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+    docs = []
     for _ in range(n_rows):
-        ids, labels, pos = [], [], []
         for n in (20, 18):
             doc = [1, *rng.integers(3, 32000, n - 1).tolist()]
-            ids += doc
-            labels += [IGNORE_INDEX] * (n // 2) + doc[n // 2:]
-            pos += list(range(n))
-        pad = SEQ - len(ids)
-        ids, labels, pos = ids + [0] * pad, labels + [IGNORE_INDEX] * pad, pos + list(range(pad))
-        for k, v in zip(rows, (ids, labels, pos), strict=True):
-            rows[k].append(v)
-    return pa.table({k: pa.array(v, pa.list_(pa.int32())) for k, v in rows.items()})
+            docs.append(document(doc, [IGNORE_INDEX] * (n // 2) + doc[n // 2:]))
+    return docs
+
+
+def packed_rows(n_rows: int, seed: int = 0):
+    """A pyarrow table of SEQ-token rows, two documents each (`row_documents`) + padding, packed
+    by the product (each row's pair is one packing buffer: the longer document first)."""
+    import pyarrow as pa
+
+    from spark_jobs.train_ready import ROW_COLUMNS, pack_rows
+
+    rows = pack_rows(row_documents(n_rows, seed), SEQ, 0, [2] * n_rows)
+    return pa.table({k: pa.array([r[k] for r in rows], pa.list_(pa.int32())) for k in ROW_COLUMNS})
 
 
 def val_artifact(local_dir: Path, uri: str, storage=None, inputs=()) -> str:
-    """A committed train-ready artifact holding only a val split of `packed_rows`."""
-    import pyarrow.parquet as pq
+    """A committed train-ready artifact holding only a val split of `packed_rows(4)` (the product writer)."""
+    from pipeline_core.handoffs import TokenizerSpec
+    from spark_jobs.train_ready import write_train_ready
 
-    from pipeline_core.artifacts import publish_artifact
-
-    (local_dir / "data" / "val").mkdir(parents=True)
-    pq.write_table(packed_rows(4), local_dir / "data" / "val" / "part-00000.parquet")
-    publish_artifact(local_dir, uri, kind="train-ready", storage=storage, extra={"seq_len": SEQ}, inputs=list(inputs))
+    write_train_ready(uri, local_dir, {"val": row_documents(4)}, seq_len=SEQ, pad_id=0, buffers=2,
+                      tokenizer=TokenizerSpec(name="mistral-v1", vocab_size=32000, bos_id=1, eos_id=2),
+                      storage=storage, inputs=inputs)
     return uri
 
 

@@ -18,8 +18,9 @@ from pipeline_core.artifacts import fetch_artifact, read_latest, read_manifest
 from pipeline_core.config import load_config
 from pipeline_core.store import open_store
 from tests.proc_helpers import lines_within
-from tests.training_helpers import kill_tree, make_tiny_model, sample_train_ready, train_cmd, train_env
+from tests.training_helpers import make_tiny_model, sample_train_ready
 from training.checkpoints import store_steps
+from training.launch import kill_tree, process_env, standalone_argv
 from training.metrics import read_csv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,11 +29,11 @@ pytestmark = pytest.mark.slow
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
-    return train_env({**extra, "MFT_CHECKPOINT_HMAC_KEY": "e2e-test-checkpoint-signing-key"}, cpu=True)
+    return process_env({**extra, "MFT_CHECKPOINT_HMAC_KEY": "e2e-test-checkpoint-signing-key"}, cpu=True)
 
 
 def _cmd(input_uri: str, run_uri: str, cfg_path: Path) -> list[str]:
-    return train_cmd(input_uri, run_uri, cfg_path, nproc=2)
+    return standalone_argv(input_uri, run_uri, cfg_path, nproc=2)
 
 
 def _run(cmd, env, log_path: Path) -> str:

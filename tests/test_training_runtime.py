@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from pipeline_core import uris
-from pipeline_core.artifacts import publish_artifact
 from pipeline_core.config import load_config
-from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo
-from tests.training_helpers import make_tiny_model, pack_documents, tokenized_corpus, write_rows
+from pipeline_core.handoffs import TokenizerSpec
+from spark_jobs.train_ready import write_train_ready
+from tests.training_helpers import make_tiny_model, tokenized_corpus
 from training import runtime, train
 from training.optim import OptimizerConfigError, SkipNonFiniteAdamW, build_ds_config, decay_groups
 
@@ -109,12 +109,9 @@ def test_max_bad_steps_in_a_row_stop_the_run_with_a_clear_error():
 # ----------------------------------------------------------------------------- tokenizer vs model
 def _ready(tmp_path, store, spec: TokenizerSpec) -> str:
     docs = tokenized_corpus(12, 64)
-    local = tmp_path / f"ready-{spec.name}"
-    write_rows(local / "data" / "train" / "part-00000.parquet", pack_documents(docs[:10], 64, 0))
-    write_rows(local / "data" / "val" / "part-00000.parquet", pack_documents(docs[10:], 64, 0))
     uri = uris.join(store, "datasets", "t", "train", spec.name)
-    publish_artifact(local, uri, kind="train-ready", counts={"in": 12, "out": 12},
-                     extra=TrainReadyInfo(seq_len=64, tokenizer=spec).to_extra())
+    write_train_ready(uri, tmp_path / f"ready-{spec.name}", {"train": docs[:10], "val": docs[10:]}, seq_len=64,
+                      tokenizer=spec, pad_id=0)
     return uri
 
 

@@ -10,24 +10,6 @@ import numpy as np
 from training.tiny import TINY_CONFIG, make_tiny_model, mistral_v1_tokenizer_file  # noqa: F401
 
 
-def pack_documents(docs: list, seq_len: int, pad_id: int) -> list[dict[str, list[int]]]:
-    """Production packing (spark_jobs.packing.pack) of `Document`s into train-ready rows."""
-    from spark_jobs.packing import pack
-
-    return [{"input_ids": a.tolist(), "labels": b.tolist(), "position_ids": c.tolist()}
-            for a, b, c in pack([(d.input_ids, d.labels) for d in docs], seq_len, pad_id)]
-
-
-def write_rows(path: Path, rows: list[dict[str, list[int]]]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.table({k: pa.array([r[k] for r in rows], type=pa.list_(pa.int32())) for k in
-                      ("input_ids", "labels", "position_ids")})
-    pq.write_table(table, path)
-
-
 def tokenized_corpus(n_docs: int, seq_len: int, seed: int = 0) -> list:
     """Short question/answer conversations with learnable structure, rendered by the filter stage's
     own renderer (mistral-common v1) and length limits: a list of `Document`s."""
@@ -65,123 +47,76 @@ def conversation_corpus(n_docs: int, seq_len: int, seed: int = 0) -> list:
 
 def build_train_ready(root_uri: str, local_dir: Path, *, seq_len: int, n_train_docs: int, n_val_docs: int,
                       storage=None, files: int = 2) -> str:
-    """Write data/train/*.parquet + data/val/*.parquet and publish them as a train-ready artifact."""
+    """A committed train-ready artifact of `conversation_corpus` (the product writer, train_ready.py)."""
     from pipeline_core import uris
-    from pipeline_core.artifacts import publish_artifact
-    from pipeline_core.render_sample import write_sample
     from spark_jobs.chat_format import load_tokenizer
+    from spark_jobs.train_ready import write_train_ready
 
     tok = load_tokenizer("mistral-v1")
     pairs = conversation_corpus(n_train_docs + n_val_docs, seq_len)
     docs = [d for _, d in pairs]
-    train = pack_documents(docs[:n_train_docs], seq_len, tok.pad_id)
-    val = pack_documents(docs[n_train_docs:], seq_len, tok.pad_id)
-    per = -(-len(train) // files)
-    for i in range(files):
-        write_rows(local_dir / "data" / "train" / f"part-{i:05d}.parquet", train[i * per:(i + 1) * per])
-    write_rows(local_dir / "data" / "val" / "part-00000.parquet", val)
     sample = [sample_document(tok, c, d, f"doc-{i}", "train" if i < n_train_docs else "val")
               for i, (c, d) in enumerate(pairs)]
-    write_sample(local_dir, sample)
     uri = uris.join(root_uri, "datasets", "test", "train", "cfg0")
-    publish_artifact(local_dir, uri, kind="train-ready", counts={"in": len(train) + len(val),
-                     "out": len(train) + len(val)}, extra=_info(tok, seq_len, len(sample)),
-                     storage=storage)
+    write_train_ready(uri, local_dir, {"train": docs[:n_train_docs], "val": docs[n_train_docs:]}, seq_len=seq_len,
+                      tokenizer=tok.spec_for_manifest(), sample=sample, files={"train": files}, storage=storage,
+                      **_options(tok))
     return uri
 
 
-def _info(tok, seq_len: int, sample_documents: int = 0) -> dict:
-    from pipeline_core.handoffs import TrainReadyInfo
+def _options(tok) -> dict:
+    from pipeline_core.config import FilterSection
 
-    return TrainReadyInfo(seq_len=seq_len, tokenizer=tok.spec_for_manifest(), train_on="all_assistant_turns",
-                          prompt_context="conversation", render_sample_documents=sample_documents).to_extra()
+    return {"train_on": FilterSection().train_on, "prompt_context": FilterSection().prompt_context,
+            "tokenizer_details": tok.identity()}
 
 
 def sample_train_ready(root_uri: str, local_dir: Path, *, seq_len: int, storage=None, val_every: int = 10) -> str:
     """A train-ready artifact from the bundled Nemotron sample, made with the filter stage's own
-    normalisation, conversation rendering (Mistral v1), length limits and packing (without Spark or
-    the similarity filter): every 10th record goes to val, over-long conversations are truncated."""
+    normalisation, conversation rendering (Mistral v1), length limits and the product writer
+    (train_ready.py; without Spark or the similarity filter): every 10th kept record goes to val,
+    over-long conversations are truncated, the records dropped are counted by reason."""
     import glob
     import json
 
     import pyarrow.parquet as pq
 
     from pipeline_core import uris
-    from pipeline_core.artifacts import publish_artifact
     from pipeline_core.config import PROJECT_ROOT, EnrichSection
-    from pipeline_core.render_sample import write_sample
     from spark_jobs.chat_format import load_tokenizer
     from spark_jobs.conversation import ConversationOptions, RenderError, build_conversation
     from spark_jobs.enrich import normalise_raw
     from spark_jobs.packing import Document, LengthLimits, make_document
+    from spark_jobs.train_ready import write_train_ready
 
     tok = load_tokenizer("mistral-v1")
     limits = LengthLimits(seq_len=seq_len, max_tokens=1 << 20, min_answer_tokens=1, overflow="truncate")
     docs: dict[str, list] = {"train": [], "val": []}
+    rejected: dict[str, int] = {}
     sample = []
     n = 0
     for f in sorted(glob.glob(str(PROJECT_ROOT / "sample_data" / "nemotron_v1" / "data" / "*.parquet"))):
         for rec in pq.read_table(f).to_pylist():
             msgs = None if rec["messages"] is None else json.dumps(rec["messages"])
-            if normalise_raw(rec["uuid"], msgs, None, EnrichSection())["reason"] is not None:
+            reason = normalise_raw(rec["uuid"], msgs, None, EnrichSection())["reason"]
+            if reason is None:
+                try:
+                    conv = build_conversation(rec["messages"], rec["metadata"], rec["reasoning"], ConversationOptions())
+                    r = tok.render(conv)
+                except RenderError as e:
+                    reason = e.reason
+            if reason is None:
+                doc = make_document(r.input_ids, r.targets, limits, tok.eos_id)
+                reason = None if isinstance(doc, Document) else doc[0]
+            if reason is not None:
+                rejected[reason] = rejected.get(reason, 0) + 1
                 continue
-            try:
-                conv = build_conversation(rec["messages"], rec["metadata"], rec["reasoning"], ConversationOptions())
-                r = tok.render(conv)
-            except RenderError:
-                continue
-            doc = make_document(r.input_ids, r.targets, limits, tok.eos_id)
-            if isinstance(doc, Document):
-                split = "val" if n % val_every == 0 else "train"
-                docs[split].append(doc)
-                sample.append(sample_document(tok, conv, doc, rec["uuid"], split))
-                n += 1
-    for split, items in docs.items():
-        write_rows(local_dir / "data" / split / "part-00000.parquet", pack_documents(items, seq_len, tok.pad_id))
-    write_sample(local_dir, sample)  # every document: the trainer's export check renders them all
+            split = "val" if n % val_every == 0 else "train"
+            docs[split].append(doc)
+            sample.append(sample_document(tok, conv, doc, rec["uuid"], split))  # every document: the
+            n += 1  # trainer's export check renders them all
     uri = uris.join(root_uri, "datasets", "sample", "train", f"seq{seq_len}")
-    total = sum(len(v) for v in docs.values())
-    publish_artifact(local_dir, uri, kind="train-ready", counts={"in": total, "out": total},
-                     extra=_info(tok, seq_len, len(sample)), storage=storage)
+    write_train_ready(uri, local_dir, docs, seq_len=seq_len, tokenizer=tok.spec_for_manifest(), rejected=rejected,
+                      sample=sample, storage=storage, split_rule=f"every {val_every}th kept record to val",
+                      **_options(tok))
     return uri
-
-
-# ----------------------------------------------------------------------------- launching train.py
-# One launcher for the e2e test (2 CPU processes) and bench/trainer_gpu_run.py (1 GPU).
-REPO = Path(__file__).resolve().parents[1]
-
-
-def train_env(extra: dict[str, str] | None = None, *, cpu: bool) -> dict[str, str]:
-    """The environment train.py runs under: the caller's, unbuffered, no hub; on CPU DeepSpeed's
-    CPU accelerator with one thread and the fixed extension cache."""
-    import os
-
-    env = {**os.environ, **(extra or {}), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
-    if cpu:
-        env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-                   TORCH_EXTENSIONS_DIR=str(REPO / ".cache" / "torch_extensions"))
-    return env
-
-
-def train_cmd(input_uri: str, run_uri: str, cfg_path: Path, nproc: int) -> list[str]:
-    import sys
-
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            str(REPO / "training" / "train.py"), "--input", input_uri, "--output", run_uri, "--config", str(cfg_path)]
-
-
-def kill_tree(proc) -> None:
-    """SIGKILL torchrun and its workers (they run in their own sessions), like a lost node."""
-    import signal
-
-    import psutil
-
-    procs = [psutil.Process(proc.pid)]
-    procs += procs[0].children(recursive=True)
-    for p in procs:
-        try:
-            p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=30)
-    psutil.wait_procs(procs, timeout=30)

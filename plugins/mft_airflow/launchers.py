@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline_core import uris
 from plugins.mft_airflow.run_plan import RunPlan
 from plugins.mft_airflow.settings import DeploySettings
+from training import launch
 
 if TYPE_CHECKING:
     from pipeline_core.config import Config
@@ -47,8 +48,8 @@ CONTAINER_CREDENTIALS = "/run/secrets/aws_credentials"
 
 
 def train_args(plan: RunPlan) -> list[str]:
-    """The trainer's own arguments (the stage contract: --input --output --config)."""
-    return ["--input", plan.train_ready_uri, "--output", plan.run_uri, "--config", plan.config_file]
+    """The trainer's own arguments (the stage contract, training/launch.py)."""
+    return launch.train_args(plan.train_ready_uri, plan.run_uri, plan.config_file)
 
 
 def eval_argv(plan: RunPlan, python: list[str]) -> list[str]:
@@ -64,8 +65,9 @@ def agent_argv(plan: RunPlan, settings: DeploySettings, *, launcher: list[str], 
     if settings.hostfile:
         return ["deepspeed", f"--hostfile={settings.hostfile}", f"--num_nodes={settings.nnodes}",
                 f"--num_gpus={nproc}", "--module", settings.train_module, *train_args(plan)]
-    if settings.nnodes == 1:
-        return [*launcher, "--standalone", f"--nproc-per-node={nproc}", *module]
+    if settings.nnodes == 1:  # the same command the tests and benchmarks start (training/launch.py)
+        return launch.standalone_argv(plan.train_ready_uri, plan.run_uri, plan.config_file, nproc,
+                                      launcher=launcher, module=settings.train_module)
     return [*launcher, f"--nnodes={settings.nnodes}", f"--nproc-per-node={nproc}",
             f"--node-rank={settings.node_rank if node_rank is None else node_rank}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint or settings.rdzv_endpoint}",
