@@ -39,7 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spark_jobs")
 
-REJECT_SCHEMA = "id string, stage string, reason string, raw string"
 REJECT_COLUMNS = ("id", "stage", "reason", "raw")
 
 

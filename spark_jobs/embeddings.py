@@ -42,7 +42,6 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-import pandas as pd  # module level: pandas_udf resolves its type hints in this module
 
 log = logging.getLogger(__name__)
 
@@ -457,30 +456,3 @@ def encode(texts: Sequence[str], name: str | EmbeddingSpec, batch_size: int = 64
 def embedding_dim(name: str | EmbeddingSpec, threads: int = 0) -> int:
     spec = name if isinstance(name, EmbeddingSpec) else EmbeddingSpec(model=name, threads=threads)
     return get_encoder(spec).dim
-
-
-def embed_udf(name: str | EmbeddingSpec, batch_size: int = 64, threads: int = 0):
-    """A Spark pandas UDF: string column -> array<float> unit vector (null text -> null); an iterator
-    UDF, so the Encoder tokenises the next Arrow batch while it embeds this one."""
-    from pyspark.sql.functions import pandas_udf
-
-    @pandas_udf("array<float>")
-    def _embed(batches: Iterator[pd.Series]) -> Iterator[pd.Series]:
-        spec = name if isinstance(name, EmbeddingSpec) else EmbeddingSpec(model=name, max_batch_rows=batch_size,
-                                                                          threads=threads)
-        pending: deque[pd.Series] = deque()
-
-        def texts() -> Iterator[list[str]]:
-            for b in batches:
-                pending.append(b)
-                yield b[b.notna()].tolist()
-
-        for vecs in get_encoder(spec).encode_batches(texts()):
-            b = pending.popleft()
-            out = pd.Series([None] * len(b), index=b.index, dtype=object)
-            mask = b.notna()
-            if mask.any():
-                out[mask] = list(vecs)
-            yield out
-
-    return _embed

@@ -26,8 +26,8 @@ from airflow.sdk.exceptions import AirflowException
 
 from pipeline_core import uris
 from plugins.mft_airflow import launchers
-from plugins.mft_airflow.operators import TEMPLATED_PLAN, _EvalStage, _TrainStage, plan_field
 from plugins.mft_airflow.settings import DeploySettings
+from plugins.mft_airflow.stage_base import TEMPLATED_PLAN, _EvalStage, _TrainStage, plan_field
 
 
 def prefetch_base_model(cfg: Any, log: Any) -> None:

@@ -40,7 +40,7 @@ NOTE_MAX_CHARS = 1000  # Airflow's dag_run_note.content is String(1000); the API
 
 
 def _plan(context: Any) -> RunPlan:
-    from plugins.mft_airflow.operators import pull_plan
+    from plugins.mft_airflow.stage_base import pull_plan
 
     return pull_plan(context)
 

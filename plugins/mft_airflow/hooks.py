@@ -32,12 +32,6 @@ class ArtifactStoreHook(BaseHook):
 
         return read_manifest(uri, self.storage)
 
-    def require(self, uri: str, kind: str | None = None) -> Manifest:
-        """The committed manifest; raises naming the URI when the stage did not commit it."""
-        from pipeline_core.artifacts import require_manifest
-
-        return require_manifest(uri, self.storage, kind=kind)
-
 
 class LocalTrainHook(BaseHook):
     """A training agent on this worker; `stop` ends its whole process tree."""

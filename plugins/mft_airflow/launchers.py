@@ -1,4 +1,5 @@
-"""What the training launchers run and with which environment: pure spec builders, no provider import.
+"""What the training launchers run and with which environment: argv/environment builders (no provider
+import) and the local launcher's supervised subprocess (`LocalTrainProcess`).
 
 The trainer is always the same entry point (`-m training.train --input --output --config`) under a
 distributed agent:

@@ -11,8 +11,8 @@ from typing import Any
 from airflow.sdk import Asset, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from plugins.mft_airflow.operators import PLAN_TASK_ID
 from plugins.mft_airflow.run_plan import RunPlan
+from plugins.mft_airflow.stage_base import PLAN_TASK_ID
 
 log = logging.getLogger(__name__)
 
