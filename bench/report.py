@@ -26,7 +26,7 @@ def settings_of(r: dict) -> str:
         s = (f"{a['stages']} stages, mb {a['micro_batch']} × m {a['grad_accum']}, attn {a['attention']}, "
              f"kernels {a['kernels']}, ckpt {a['act_ckpt']}, {a['docs']} docs")
         if r["setup"] == "trainer":
-            s += f", {a.get('grad_accum_dtype', 'fp32')} accum, seq {a['seq_len']}, window {a['sliding_window']}"
+            s += f", {a.get('grad_accum_dtype', 'fp32')} accum, seq {a.get('seq_len', '?')}, window {a['sliding_window']}"
             res = r.get("settings", {}).get("extra", {}).get("resolved", {})
             if res.get("recompute"):
                 every = f" {res['recompute_every']}" if res["recompute"] == "every_n" else ""

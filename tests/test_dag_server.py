@@ -208,7 +208,7 @@ def test_rest_trigger_as_authenticated_user(stack):
     states = _task_states(stack, api, "ui-trigger-1")
     assert run["state"] == "success", f"{states}\n{stack.logs()}"
     assert states == {"resolve": "success", "enrich": "success", "filter": "skipped", "data_report": "skipped",
-                      "approve": "skipped", "train": "skipped", "publish": "skipped"}
+                      "approve": "skipped", "train": "skipped", "evaluate": "skipped", "publish": "skipped"}
     # the run's plan is readable through the API too, and the enriched artifact is committed
     x = api.get(f"{stack.url}/api/v2/dags/{DAG_ID}/dagRuns/ui-trigger-1/taskInstances/resolve/xcomEntries/"
                 "return_value", timeout=10)

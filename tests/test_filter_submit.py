@@ -54,5 +54,6 @@ def test_spark_submit_filters_s3_enriched_artifact_into_train_ready_shards(s3_se
     rows = pq.read_table(local / "data" / "train").num_rows + pq.read_table(local / "data" / "val").num_rows
     assert rows == sum(info.sequences.values()) > 0
     assert sorted(f["path"] for f in manifest.files if f["path"].startswith("data/")) == [
+        "data/render_sample/part-00000-c000.parquet",  # the export's render check (pipeline_core.render_sample)
         "data/train/part-00000-c000.parquet", "data/val/part-00000-c000.parquet"]  # common.tidy_parts names
     assert not (tmp_path / "staging" / "filter").exists() or not any((tmp_path / "staging" / "filter").iterdir())

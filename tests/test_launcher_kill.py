@@ -93,7 +93,11 @@ def test_on_kill_escalates_to_every_descendant_of_a_child_that_traps_sigterm(tmp
 
 
 class _TaskInstance:
-    """What the operator asks of Airflow's task instance here: the plan in XCom."""
+    """What the operator asks of Airflow's task instance here: the plan in XCom, and which try this is
+    (the launcher's per-try attempt id, MFT_ATTEMPT_ID)."""
+
+    try_number = 1
+    run_id = "manual__kill"
 
     def __init__(self, plan: dict):
         self.plan = plan
