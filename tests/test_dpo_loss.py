@@ -23,8 +23,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from spark_jobs.train_ready import write_rows
 from tests.dpo_helpers import hf_side_logps, pair_rows, rendered_pairs, trl_dpo
-from tests.training_helpers import make_tiny_model, write_rows
+from tests.training_helpers import make_tiny_model
 from training.dpo_data import pair_sides
 from training.dpo_loss import pair_losses, side_sums, target_logps
 from training.model import shift_targets

@@ -19,8 +19,10 @@ import pytest
 from pipeline_core import layout, uris
 from pipeline_core.artifacts import fetch_artifact, publish_artifact, read_manifest
 from pipeline_core.config import load_config
+from spark_jobs.train_ready import write_rows
 from tests.proc_helpers import lines_within
-from tests.training_helpers import kill_tree, make_tiny_model, train_cmd, train_env, write_rows
+from tests.training_helpers import make_tiny_model
+from training.launch import kill_tree, process_env, standalone_argv
 from training.metrics import read_csv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,7 +85,7 @@ def setup(tmp_path_factory):
     }
     cfg = load_config(env={}, overrides=over)
     long_cfg = load_config(env={}, overrides={**over, "train.steps": 40})
-    env = train_env({"MFT_CHECKPOINT_HMAC_KEY": "dpo-e2e-checkpoint-signing-key"}, cpu=True)
+    env = process_env({"MFT_CHECKPOINT_HMAC_KEY": "dpo-e2e-checkpoint-signing-key"}, cpu=True)
     return {"tmp": tmp, "store": store, "cfg": cfg, "cfg_path": cfg.dump(tmp / "config.yaml"),
             "long_cfg_path": long_cfg.dump(tmp / "long.yaml"), "input": input_uri, "env": env}
 
@@ -104,7 +106,7 @@ def _report(run_uri: str, tmp: Path) -> Path:
 @pytest.fixture(scope="module")
 def reference(setup):
     run_uri = uris.join(setup["store"], "runs", "dpo-ref")
-    out = _run(train_cmd(setup["input"], run_uri, setup["cfg_path"], 2), setup["env"], setup["tmp"] / "ref.log")
+    out = _run(standalone_argv(setup["input"], run_uri, setup["cfg_path"], 2), setup["env"], setup["tmp"] / "ref.log")
     return run_uri, out
 
 
@@ -135,7 +137,7 @@ def test_kill_resume_reuses_the_reference_and_matches(setup, reference):
     tmp, env = setup["tmp"], setup["env"]
     run_uri = uris.join(setup["store"], "runs", "dpo-killed")
     with (tmp / "killed-1.log").open("w") as log:
-        proc = subprocess.Popen(train_cmd(setup["input"], run_uri, setup["long_cfg_path"], 2), env=env, cwd=REPO,
+        proc = subprocess.Popen(standalone_argv(setup["input"], run_uri, setup["long_cfg_path"], 2), env=env, cwd=REPO,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             for line in lines_within(proc, timeout_s=400):
@@ -151,7 +153,7 @@ def test_kill_resume_reuses_the_reference_and_matches(setup, reference):
             pytest.fail("no step-8 push within 400 s: " + (tmp / "killed-1.log").read_text()[-3000:])
     first = (tmp / "killed-1.log").read_text()
     assert "reference log-probs reused" in first  # same model + data as the reference run: no second pass
-    out = _run(train_cmd(setup["input"], run_uri, setup["cfg_path"], 2),
+    out = _run(standalone_argv(setup["input"], run_uri, setup["cfg_path"], 2),
                {**env, "MFT__PIPELINE__STAGING_URI": uris.qualify(tmp / "staging-fresh")}, tmp / "killed-2.log")
     assert "reference log-probs reused" in out and "reference pass:" not in out
     assert "resumed from" in out

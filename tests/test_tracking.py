@@ -111,7 +111,8 @@ def _tracking(uri: str, **kw):
 def test_a_training_run_and_its_promotion_are_in_mlflow(mlflow_server, tmp_path, local_store_uri):
     from pipeline_core.artifacts import read_manifest
     from pipeline_core.pointers import read_pointer
-    from tests.training_helpers import make_tiny_model, sample_train_ready, train_cmd, train_env
+    from tests.training_helpers import make_tiny_model, sample_train_ready
+    from training.launch import process_env, standalone_argv
     from training.promote import promote
 
     steps = 4
@@ -126,8 +127,8 @@ def test_a_training_run_and_its_promotion_are_in_mlflow(mlflow_server, tmp_path,
     run_uri = uris.join(local_store_uri, "runs", "tracked")
     log_path = tmp_path / "train.log"
     with log_path.open("w") as out:
-        proc = subprocess.run(train_cmd(input_uri, run_uri, cfg.dump(tmp_path / "cfg.yaml"), nproc=2),
-                              env=train_env({"MFT_CHECKPOINT_HMAC_KEY": "tracking-test-key"}, cpu=True), cwd=REPO,
+        proc = subprocess.run(standalone_argv(input_uri, run_uri, cfg.dump(tmp_path / "cfg.yaml"), nproc=2),
+                              env=process_env({"MFT_CHECKPOINT_HMAC_KEY": "tracking-test-key"}, cpu=True), cwd=REPO,
                               stdout=out, stderr=subprocess.STDOUT, timeout=500)
     assert proc.returncode == 0, log_path.read_text()[-6000:]
     models_uri = uris.join(local_store_uri, "models")
