@@ -81,8 +81,8 @@ def write_vectors(path: Path, n: int, rows_per_topic: int, seed: int, chunk: int
 def run_one(spark, n: int, work: Path, args) -> dict:
     from pyspark.sql import functions as F
 
-    from spark_jobs.dedup import near_duplicates
-    from spark_jobs.dedup_types import ClusterSettings, NearDupSettings
+    from spark_jobs.near_dups.dedup import near_duplicates
+    from spark_jobs.near_dups.dedup_types import ClusterSettings, NearDupSettings
 
     path = work / f"vec-{n}.parquet"
     planted = write_vectors(path, n, args.rows_per_topic, seed=n)
@@ -129,10 +129,10 @@ def cost_model(cluster_size: int, probes: int, copies_per_row: float, leaves_per
       through the index, on 2 x sample_per_cluster rows per centroid."""
     import pyarrow as pa
 
-    from spark_jobs.arrow_vectors import vector_array
-    from spark_jobs.centroid_index import CentroidIndex
-    from spark_jobs.near_dup_clusters import pairs_in_cluster
-    from spark_jobs.spherical_kmeans import top_clusters, unit_rows
+    from spark_jobs.near_dups.arrow_vectors import vector_array
+    from spark_jobs.near_dups.centroid_index import CentroidIndex
+    from spark_jobs.near_dups.near_dup_clusters import pairs_in_cluster
+    from spark_jobs.near_dups.spherical_kmeans import top_clusters, unit_rows
 
     rng = np.random.default_rng(0)
     rows = unit(rng.normal(size=(cluster_size, 2, DIM))).reshape(cluster_size, 2 * DIM).astype(np.float32)
@@ -174,7 +174,7 @@ def cost_model(cluster_size: int, probes: int, copies_per_row: float, leaves_per
 
 def main(argv: list[str] | None = None) -> int:
     from spark_jobs.common import spark_session
-    from spark_jobs.dedup import lsh_candidate_probability, plan_lsh
+    from spark_jobs.near_dups.dedup import lsh_candidate_probability, plan_lsh
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="250000,1000000,4000000")

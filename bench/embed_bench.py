@@ -108,7 +108,7 @@ def make_records(n_texts: int, seed: int = 1, repeats: float = 7.5, batch_record
 def phases(encoder, texts: list[str], workers: int) -> dict:
     """Where the time goes, each phase alone: tokenisation (one process; the worker pool), the device
     work on ready tokens (batch gather + forward + un-permute), the copy back."""
-    from spark_jobs.embeddings import _encode_flat
+    from spark_jobs.enrich.embeddings import _encode_flat
 
     out = {}
     t = time.perf_counter()
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from spark_jobs.embeddings import EmbeddingSpec, Encoder, get_model
+    from spark_jobs.enrich.embeddings import EmbeddingSpec, Encoder, get_model
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")

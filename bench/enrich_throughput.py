@@ -6,7 +6,7 @@ One run, the same texts for both: N Nemotron-schema records whose system prompts
 sentences each (plus a unique question and answer), so nothing is deduplicated away.
   plain: one process, the model loaded once, `encode(all texts, batch_size, normalize_embeddings)`,
          timed with torch on every core (its default) and on one thread; the faster counts;
-  job:   `spark_jobs.enrich.run` on the same records (local[2]: two Python workers, one torch
+  job:   `spark_jobs.enrich.job.run` on the same records (local[2]: two Python workers, one torch
          thread each), twice in one Spark application: cold (worker start, torch import and model
          load fall inside the step) and warm (workers and model reused); throughput of its
          embed+score+write step (scoring and the Parquet write included) and of the whole job.
@@ -62,7 +62,7 @@ def make_records(n: int, s: int, seed: int = 0) -> list[dict]:
 
 
 def texts_of(records: list[dict]) -> list[str]:
-    from spark_jobs.sentences import split_sentences
+    from spark_jobs.conversations.sentences import split_sentences
 
     texts = []
     for r in records:
@@ -74,7 +74,7 @@ def texts_of(records: list[dict]) -> list[str]:
 def plain(texts: list[str], model: str, batch_size: int, threads: int) -> float:
     import torch
 
-    from spark_jobs.embeddings import get_model
+    from spark_jobs.enrich.embeddings import get_model
 
     m = get_model(model)
     torch.set_num_threads(threads)
@@ -100,8 +100,8 @@ def main() -> None:
 
     from pipeline_core import sample_data, uris
     from pipeline_core.config import load_config
-    from spark_jobs import enrich
     from spark_jobs.common import spark_session
+    from spark_jobs.enrich import job as enrich
 
     load0 = round(os.getloadavg()[0], 2)
     records = make_records(a.records, a.sentences)

@@ -44,8 +44,8 @@ def sample_rows(scale: int) -> list[dict]:
     their messages, metadata and context units (no embeddings, so no context scores)."""
     from pipeline_core.config import EnrichSection
     from pipeline_core.sample_data import generate
-    from spark_jobs.enrich import normalise_raw
-    from spark_jobs.split import split_of
+    from spark_jobs.enrich.job import normalise_raw
+    from spark_jobs.filter.split import split_of
 
     e = EnrichSection()
     rows = []
@@ -72,9 +72,9 @@ def bench_render_pack(spark, rows: list[dict], seq_len: int, work: Path) -> dict
     from pyspark.sql import functions as F
 
     from pipeline_core.config import FilterSection
-    from spark_jobs.chat_format import load_tokenizer
+    from spark_jobs.conversations.chat_format import load_tokenizer
+    from spark_jobs.filter.render_docs import DOC_SCHEMA, RENDER_COLUMNS, render_partitions
     from spark_jobs.packing import ROW_SCHEMA, pack_partitions
-    from spark_jobs.render_docs import DOC_SCHEMA, RENDER_COLUMNS, render_partitions
 
     fcfg = FilterSection(seq_len=seq_len, max_tokens=max(4096, seq_len), overflow="truncate")
     pad_id = load_tokenizer(fcfg.tokenizer).pad_id
@@ -144,7 +144,7 @@ def bench_lsh(spark, n: int, centres: np.ndarray, work: Path, rows_per_topic: in
     from pyspark.sql import functions as F
 
     from pipeline_core.config import FilterSection
-    from spark_jobs.dedup import find_near_duplicates
+    from spark_jobs.near_dups.dedup import find_near_duplicates
 
     vecs, planted = semi_synthetic(n, centres, seed=n, rows_per_topic=rows_per_topic, topics=topics)
     path = work / f"vec-{n}.parquet"
@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.skip != "lsh":
             from pipeline_core.config import EnrichSection
             from pipeline_core.sample_data import generate
-            from spark_jobs.embeddings import encode
-            from spark_jobs.enrich import normalise_raw
+            from spark_jobs.enrich.embeddings import encode
+            from spark_jobs.enrich.job import normalise_raw
 
             qa = []
             for recs in generate(rows=300, seed=0).values():

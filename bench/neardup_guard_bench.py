@@ -8,7 +8,7 @@ their numbers, to rewordings, Unicode copies and hard negatives, through the rea
 The corpus (bench/neardup_corpus.py: 10 math templates x `--variants` instances, rewordings,
 Unicode copies, hard negatives, a code template) is embedded with the real all-MiniLM-L6-v2 and
 published once as an enriched artifact; each `--run LABEL:PYTHON:CODE_ROOT:GUARD` runs
-`python -m spark_jobs.similarity_filter` of that checkout on it (GUARD empty: the checkout has no
+`python -m spark_jobs.filter.job` of that checkout on it (GUARD empty: the checkout has no
 `near_dup_guard` setting, i.e. the code before issue 27) and reads its rejects:
 - variants dropped: instances and hard negatives rejected as near duplicates (each is its own problem);
 - recall on rewordings: rewording pairs with one side rejected as a near duplicate, over all pairs
@@ -73,7 +73,7 @@ def run_filter(label: str, python: str, root: str, guard: str, in_uri: str, work
     path.write_text(json.dumps(cfg))
     env = {k: v for k, v in os.environ.items() if not k.startswith("MFT__")}
     t0 = time.perf_counter()
-    subprocess.run([python, "-m", "spark_jobs.similarity_filter", "--input", in_uri, "--output", out_uri,
+    subprocess.run([python, "-m", "spark_jobs.filter.job", "--input", in_uri, "--output", out_uri,
                     "--config", str(path)], cwd=root, env=env, check=True)
     return out_uri, time.perf_counter() - t0
 

@@ -15,7 +15,7 @@ Two steps, so the large part travels small:
 
 ``render`` runs the filter stage's ``render_partitions`` (chat template, ``train_on``, length limits;
 rejects counted) and stores the documents compactly (token ids as uint16, the loss mask as bits).
-``pack`` runs the product's train-ready writer (spark_jobs/train_ready.py: the filter stage's
+``pack`` runs the product's train-ready writer (spark_jobs/filter/train_ready.py: the filter stage's
 packing, best-fit decreasing in buffers of ``pack_buffer_docs``, positions restarting per document)
 and writes ``DIR/data/{train,val}/part-00000.parquet`` in the train-ready columns plus
 ``DIR/train_ready.json`` (the manifest's counts and ``extra``, a ``TrainReadyInfo``, as it describes them);
@@ -96,7 +96,7 @@ def records(items: Iterator[tuple[str, str]]):
 
 def render(args) -> int:
     from pipeline_core.config import FilterSection
-    from spark_jobs.render_docs import render_partitions
+    from spark_jobs.filter.render_docs import render_partitions
 
     fcfg = FilterSection(seq_len=args.seq_len, max_tokens=args.seq_len, tokenizer=args.tokenizer)
     ids, masks, lengths, splits, rejected = [], [], [], [], {}
@@ -139,8 +139,8 @@ def load_documents(path: Path) -> tuple[dict, list[tuple[np.ndarray, np.ndarray,
 
 def pack(args) -> int:
     from pipeline_core.config import FilterSection
-    from spark_jobs.chat_format import load_tokenizer
-    from spark_jobs.train_ready import document, stage_train_ready
+    from spark_jobs.conversations.chat_format import load_tokenizer
+    from spark_jobs.filter.train_ready import document, stage_train_ready
 
     meta, docs = load_documents(args.docs)
     if args.seq_len != meta["seq_len"]:

@@ -47,8 +47,8 @@ def run_sample(root: Path) -> str:
     """enrich -> filter of the bundled sample with the embedded defaults (what `make demo` renders)."""
     from pipeline_core import uris
     from pipeline_core.config import load_config
-    from spark_jobs import enrich
-    from spark_jobs.similarity_filter import run
+    from spark_jobs.enrich import job as enrich
+    from spark_jobs.filter.job import run
 
     cfg = load_config(env={}, overrides={
         "pipeline": {"store_uri": uris.qualify(root / "store"), "staging_uri": uris.qualify(root / "staging")},

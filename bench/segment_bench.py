@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/segment_bench.py
 
-Drives `spark_jobs.sentences.split_units`, the function enrich's normaliser calls per turn, on one
+Drives `spark_jobs.conversations.sentences.split_units`, the function enrich's normaliser calls per turn, on one
 paragraph of prose (abbreviations, decimals, initials) and on mixed structured text (code fences,
 JSON, tables, lists), 64 KB and 1 MB; best of 3 per size. Target: 1 MB / 64 KB time ratio <= 20x
 (16x is linear).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from spark_jobs.sentences import split_units
+from spark_jobs.conversations.sentences import split_units
 
 PROSE = "The museum opens at 10 a.m. on Sundays. Dr. Smith, e.g. the curator, walked 3.5 km! Is it far? Yes. "
 MIXED = ("Intro text. More text!\n```python\ndef f(x):\n    return x\n```\n| a | b |\n| 1 | 2 |\n- item one. Still one.\n"

@@ -9,7 +9,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pyspark.sql import SparkSession
 
-from spark_jobs.embeddings import spark_task_gpu
+from spark_jobs.enrich.embeddings import spark_task_gpu
 from spark_jobs.partitioning import cluster_slots
 
 d = tempfile.mkdtemp()

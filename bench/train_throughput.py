@@ -429,14 +429,14 @@ def setup_pipeline(args, device: Device):
 def write_train_ready(root: Path, *, seq_len: int, rows: int, vocab: int, docs: str, seed: int,
                       objective: str = "sft") -> str:
     """A committed train-ready artifact of random tokens (``docs``: one causal document per row,
-    or packed documents), written by the product writer (spark_jobs/train_ready.py), for the
+    or packed documents), written by the product writer (spark_jobs/filter/train_ready.py), for the
     trainer's own loader; each row's documents are one packing buffer, so every row stays full."""
     from pipeline_core import uris
     from pipeline_core.artifacts import read_manifest
     from pipeline_core.handoffs import TokenizerSpec
+    from spark_jobs.filter.train_ready import document
+    from spark_jobs.filter.train_ready import write_train_ready as write
     from spark_jobs.packing import split_documents
-    from spark_jobs.train_ready import document
-    from spark_jobs.train_ready import write_train_ready as write
 
     store = uris.qualify(root / "store")
     uri = uris.join(store, "datasets", "bench", "train", f"{docs}-{seq_len}-{rows}-{vocab}-{objective}")

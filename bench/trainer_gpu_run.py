@@ -52,13 +52,13 @@ def make_model(out: Path, layers: int) -> Path:
 
 def make_data(store_uri: str, local: Path, seq_len: int, rows: int, val_rows: int) -> str:
     """Random-token documents filling `rows` + `val_rows` rows, through the product writer
-    (spark_jobs/train_ready.py)."""
+    (spark_jobs/filter/train_ready.py)."""
     import numpy as np
 
     from pipeline_core import uris
     from pipeline_core.artifacts import read_manifest
     from pipeline_core.handoffs import IGNORE_INDEX, TokenizerSpec
-    from spark_jobs.train_ready import document, write_train_ready
+    from spark_jobs.filter.train_ready import document, write_train_ready
 
     uri = uris.join(store_uri, "datasets", "gpu", "train", f"seq{seq_len}")
     if read_manifest(uri) is not None:

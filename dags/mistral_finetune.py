@@ -47,8 +47,8 @@ with DAG(
     doc_md=__doc__,
 ) as dag:
     plan = resolve.override(execution_timeout=timedelta(minutes=5), doc_md=TASK_DOCS["resolve"])()
-    enrich = SparkStageOperator(task_id="enrich", stage="enrich", application="enrich.py", input_field="source_uri", output_field="enriched_uri", settings=settings, outlets=[AssetAlias("mistral_finetune/enriched")], execution_timeout=spark_timeout, doc_md=TASK_DOCS["enrich"])
-    filter_ = SparkStageOperator(task_id="filter", stage="filter", application="similarity_filter.py", input_field="enriched_uri", output_field="train_ready_uri", settings=settings, outlets=[AssetAlias("mistral_finetune/train_ready")], trigger_rule=TriggerRule.NONE_FAILED, execution_timeout=spark_timeout, doc_md=TASK_DOCS["filter"])
+    enrich = SparkStageOperator(task_id="enrich", stage="enrich", application="enrich/job.py", input_field="source_uri", output_field="enriched_uri", settings=settings, outlets=[AssetAlias("mistral_finetune/enriched")], execution_timeout=spark_timeout, doc_md=TASK_DOCS["enrich"])
+    filter_ = SparkStageOperator(task_id="filter", stage="filter", application="filter/job.py", input_field="enriched_uri", output_field="train_ready_uri", settings=settings, outlets=[AssetAlias("mistral_finetune/train_ready")], trigger_rule=TriggerRule.NONE_FAILED, execution_timeout=spark_timeout, doc_md=TASK_DOCS["filter"])
     report = DataReportOperator(task_id="data_report", trigger_rule=TriggerRule.NONE_FAILED, doc_md=TASK_DOCS["data_report"])
     approve = ApprovalGateOperator(task_id="approve", trigger_rule=TriggerRule.NONE_FAILED, retries=0, doc_md=TASK_DOCS["approve"])
     train = train_operator(settings, task_id="train", pool=settings.gpu_pool, trigger_rule=TriggerRule.NONE_FAILED, execution_timeout=timedelta(minutes=settings.train_timeout_min), doc_md=TASK_DOCS["train"])

@@ -285,7 +285,7 @@ EVAL_ANSWER_FIELDS = ("answer", "solution", "output", "target")
 
 
 class EvalSetSpec(Section):
-    """One evaluation set the filter decontaminates against (spark_jobs/decontaminate.py): a JSONL or
+    """One evaluation set the filter decontaminates against (spark_jobs/filter/decontaminate.py): a JSONL or
     Parquet file, or a directory of them, whose text fields are matched against training prompts."""
 
     uri: str = Field(description="file:// or s3:// URI of a .jsonl/.json/.parquet file or a directory of them")
@@ -322,7 +322,7 @@ class EvalSetSpec(Section):
 
 
 class FilterSection(SparkStageSection):
-    """Similarity filter, deduplication, split, tokenize and pack (spark_jobs/similarity_filter.py)."""
+    """Similarity filter, deduplication, split, tokenize and pack (spark_jobs/filter/job.py)."""
 
     arrow_batch_rows: int = execution(2048, ge=1, le=100_000, description="records per Arrow batch into the tokenizer")
     min_qa_similarity: float = content(0.2, ge=-1.0, le=1.0, description="Drop pairs with question-answer cosine below this", trigger=True)
@@ -405,7 +405,7 @@ class FilterSection(SparkStageSection):
         1000, ge=1, le=100_000, description="Kept documents stored with their conversations (smallest keys) so the "
         "trainer can check that the exported tokenizer's apply_chat_template reproduces them token for token")
 
-    # decontamination against evaluation sets (spark_jobs/decontaminate.py; docs/evaluation.md)
+    # decontamination against evaluation sets (spark_jobs/filter/decontaminate.py; docs/evaluation.md)
     decontaminate: list[EvalSetSpec] = content(
         default_factory=list, description="Evaluation sets: a record sharing an n-gram with one of their documents "
         "is rejected as 'contaminated' (empty = off)")

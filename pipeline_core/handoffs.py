@@ -54,7 +54,7 @@ class EvalSetCount(_Handoff):
 
 
 class DecontamInfo(_Handoff):
-    """The decontamination's settings and per-set counts (spark_jobs/decontaminate.py)."""
+    """The decontamination's settings and per-set counts (spark_jobs/filter/decontaminate.py)."""
 
     ngram: int
     threshold: float

@@ -19,7 +19,7 @@ half of them differ); tests/test_export_tokenizer.py repeats it on ~4.5k.
 One difference remains, of the HF pipeline rather than the vocabulary: a plain `encode(text)` of a
 text that *starts* with a space gets no extra dummy prefix (HF's Metaspace adds '▁' only to a text
 that does not start with one; SentencePiece always adds it). Chat templates write the space
-themselves (spark_jobs/chat_templates.py), so `apply_chat_template` is exact.
+themselves (spark_jobs/conversations/chat_templates.py), so `apply_chat_template` is exact.
 """
 
 from __future__ import annotations

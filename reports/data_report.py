@@ -86,7 +86,7 @@ def _parquet(root: Path, manifest: Manifest, prefix: str) -> list[Path]:
 
 def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSection | None,
             tmp: Path) -> ReportFacts:
-    from spark_jobs.chat_format import load_tokenizer
+    from spark_jobs.conversations.chat_format import load_tokenizer
 
     tr = require_manifest(train_ready_uri, storage, kind="train-ready")
     named = tr.input_of_kind("enriched")

@@ -168,7 +168,7 @@ def near_duplicate_of(row: dict[str, Any]) -> tuple[str | None, float | None]:
 
 
 def split_of_id(record_id: str | None, seed: int, val_fraction: float) -> str:
-    from spark_jobs.split import split_of  # the filter's own rule (pure Python twin)
+    from spark_jobs.filter.split import split_of  # the filter's own rule (pure Python twin)
 
     return NO_SPLIT if not record_id else split_of(record_id, seed, val_fraction)
 

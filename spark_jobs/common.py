@@ -68,7 +68,7 @@ def parse_stage_args(description: str, argv: Sequence[str] | None = None) -> arg
         if value.startswith("hf://"):
             if name == "output":
                 ap.error(f"--output {value!r}: a stage publishes to file:// or s3://, not to the hub")
-            from spark_jobs.readers import parse_hub_uri
+            from spark_jobs.enrich.readers import parse_hub_uri
 
             try:
                 parse_hub_uri(value)

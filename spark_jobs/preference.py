@@ -206,7 +206,7 @@ def with_rejected_similarity(df, e, threads: int):
     """+ `sim_question_rejected`: cosine of the question (prompt) and the rejected answer's embedding."""
     from pyspark.sql.functions import pandas_udf
 
-    from spark_jobs.embeddings import get_encoder, spec_for
+    from spark_jobs.enrich.embeddings import get_encoder, spec_for
 
     @pandas_udf("double")
     def sim(batches: Iterator[tuple[pd.Series, pd.Series]]) -> Iterator[pd.Series]:

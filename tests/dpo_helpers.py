@@ -21,9 +21,9 @@ def rendered_pairs(seq_len: int = 128, n: int = len(QUESTIONS)):
     import numpy as np
 
     from pipeline_core.config import FilterSection
-    from spark_jobs.chat_format import load_tokenizer
-    from spark_jobs.filter_rows import conversation_options
-    from spark_jobs.render_docs import render_pair
+    from spark_jobs.conversations.chat_format import load_tokenizer
+    from spark_jobs.filter.filter_rows import conversation_options
+    from spark_jobs.filter.render_docs import render_pair
 
     fcfg = FilterSection(objective="dpo", seq_len=seq_len)
     tok = load_tokenizer(fcfg.tokenizer)

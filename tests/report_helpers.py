@@ -34,8 +34,9 @@ def sample_config(store_uri: str, staging: Path, **overrides) -> Config:
 
 def build_sample(store_uri: str, staging: Path, spark=None) -> SampleArtifacts:
     """enrich + filter of the bundled sample (a committed output is reused: both are idempotent)."""
-    from spark_jobs import enrich, similarity_filter
     from spark_jobs.common import spark_session
+    from spark_jobs.enrich import job as enrich
+    from spark_jobs.filter import job as similarity_filter
 
     cfg = sample_config(store_uri, staging)
     own = spark is None
@@ -59,7 +60,7 @@ def row_documents(n_rows: int, seed: int = 0) -> list:
     """Two documents per SEQ-token row (prompt half masked, answer trained), in row order."""
     import numpy as np
 
-    from spark_jobs.train_ready import document
+    from spark_jobs.filter.train_ready import document
 
     rng = np.random.default_rng(seed)
     docs = []
@@ -75,7 +76,7 @@ def packed_rows(n_rows: int, seed: int = 0):
     by the product (each row's pair is one packing buffer: the longer document first)."""
     import pyarrow as pa
 
-    from spark_jobs.train_ready import ROW_COLUMNS, pack_rows
+    from spark_jobs.filter.train_ready import ROW_COLUMNS, pack_rows
 
     rows = pack_rows(row_documents(n_rows, seed), SEQ, 0, [2] * n_rows)
     return pa.table({k: pa.array([r[k] for r in rows], pa.list_(pa.int32())) for k in ROW_COLUMNS})
@@ -84,7 +85,7 @@ def packed_rows(n_rows: int, seed: int = 0):
 def val_artifact(local_dir: Path, uri: str, storage=None, inputs=()) -> str:
     """A committed train-ready artifact holding only a val split of `packed_rows(4)` (the product writer)."""
     from pipeline_core.handoffs import TokenizerSpec
-    from spark_jobs.train_ready import write_train_ready
+    from spark_jobs.filter.train_ready import write_train_ready
 
     write_train_ready(uri, local_dir, {"val": row_documents(4)}, seq_len=SEQ, pad_id=0, buffers=2,
                       tokenizer=TokenizerSpec(name="mistral-v1", vocab_size=32000, bos_id=1, eos_id=2),

@@ -8,11 +8,11 @@ import json
 import pytest
 
 from pipeline_core.handoffs import IGNORE_INDEX
-from spark_jobs.chat_format import MISTRAL_V1_TEMPLATE, load_tokenizer
-from spark_jobs.conversation import ConversationOptions, RenderError, build_conversation
-from spark_jobs.normalize import Rejected, normalise, split_reasoning
+from spark_jobs.conversations.chat_format import MISTRAL_V1_TEMPLATE, load_tokenizer
+from spark_jobs.conversations.conversation import ConversationOptions, RenderError, build_conversation
+from spark_jobs.conversations.normalize import Rejected, normalise, split_reasoning
+from spark_jobs.conversations.sentences import split_units
 from spark_jobs.packing import LengthLimits, make_document
-from spark_jobs.sentences import split_units
 
 
 def m(role, content, tool_calls=None):
@@ -197,7 +197,7 @@ def test_relevant_prompt_context_keeps_question_relevant_units_in_order_inside_t
     whole), still in the system turn."""
     import numpy as np
 
-    from spark_jobs.render_docs import reduce_context
+    from spark_jobs.filter.render_docs import reduce_context
     from tests.filter_helpers import embed
 
     filler = [f"The {w} festival in the old town attracts many visitors every summer." for w in

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from spark_jobs.chat_format import HFChatTokenizer, load_tokenizer
-from spark_jobs.conversation import ConversationOptions, build_conversation
+from spark_jobs.conversations.chat_format import HFChatTokenizer, load_tokenizer
+from spark_jobs.conversations.conversation import ConversationOptions, build_conversation
 
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<tool_call>", "</tool_call>"]
 
@@ -154,7 +154,7 @@ def test_templates_that_cannot_give_a_mask_are_refused_at_load(tokenizers_dir, t
 
 
 def test_a_conversation_the_template_refuses_is_a_reject_not_a_crash(tokenizers_dir):
-    from spark_jobs.conversation import RenderError
+    from spark_jobs.conversations.conversation import RenderError
 
     strict = GENERATION_TEMPLATE.replace(
         "{%- elif m['role'] == 'tool' %}", "{%- elif m['role'] == 'tool' %}{{- raise_exception('no tools here') }}")

@@ -1,4 +1,4 @@
-"""The Jinja chat templates the exported model carries (spark_jobs/chat_templates.py), rendered the
+"""The Jinja chat templates the exported model carries (spark_jobs/conversations/chat_templates.py), rendered the
 HF way (`apply_chat_template`, tokenized by an HF tokenizer of the same SentencePiece vocabulary built
 offline) give mistral-common's ids token for token: against `encode_chat_completion` of the same
 OpenAI-style messages (through mistral-common's own `from_openai`), and against the renderer the
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from spark_jobs.chat_format import MISTRAL_V1_TEMPLATE, MISTRAL_V3_TEMPLATE, load_tokenizer
-from spark_jobs.conversation import ConversationOptions, build_conversation
+from spark_jobs.conversations.chat_format import MISTRAL_V1_TEMPLATE, MISTRAL_V3_TEMPLATE, load_tokenizer
+from spark_jobs.conversations.conversation import ConversationOptions, build_conversation
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city",

@@ -553,7 +553,7 @@ def test_local_launcher_passes_an_allowlisted_environment(plan, creds):
 
 def test_spark_stage_renders_spark_submit_on_spark_default(plan, monkeypatch):
     monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", json.dumps({"conn_type": "spark", "host": "local[2]"}))
-    op = SparkStageOperator(task_id="enrich", stage="enrich", application="enrich.py", input_field="source_uri",
+    op = SparkStageOperator(task_id="enrich", stage="enrich", application="enrich/job.py", input_field="source_uri",
                             output_field="enriched_uri",
                             settings=load_settings(env={}, spark_executor_memory="4g", spark_py_files="/opt/mft.zip"))
     op = rendered(op, plan)
@@ -565,4 +565,4 @@ def test_spark_stage_renders_spark_submit_on_spark_default(plan, monkeypatch):
     assert cmd[cmd.index("--executor-memory") + 1] == "4g" and cmd[cmd.index("--py-files") + 1] == "/opt/mft.zip"
     assert cmd[-7:] == [op.application, "--input", plan.source_uri, "--output", plan.enriched_uri,
                         "--config", plan.config_file]
-    assert op.application.endswith("spark_jobs/enrich.py")
+    assert op.application.endswith("spark_jobs/enrich/job.py")

@@ -40,7 +40,7 @@ def _commit(tmp_path, uri, kind, files: dict[str, bytes], counts=None, inputs=()
 
 
 def _enrich_op():
-    return SparkStageOperator(task_id="enrich", stage="enrich", application="enrich.py", input_field="source_uri",
+    return SparkStageOperator(task_id="enrich", stage="enrich", application="enrich/job.py", input_field="source_uri",
                               output_field="enriched_uri", settings=load_settings(env={}),
                               outlets=[AssetAlias("mistral_finetune/enriched")])
 

@@ -21,8 +21,8 @@ import pytest
 from pipeline_core import sample_data, uris
 from pipeline_core.artifacts import CorruptArtifact, read_manifest
 from pipeline_core.config import load_config
-from spark_jobs import enrich
 from spark_jobs.common import StageFailed
+from spark_jobs.enrich import job as enrich
 from tests.filter_helpers import FILTER_SETTINGS, KEEP, enriched_table, publish_enriched
 
 DEEP = 100_000  # nesting levels: far past Python's recursion limit (json.loads raises RecursionError)
@@ -91,7 +91,7 @@ def test_deep_nesting_and_invalid_utf8_become_rejects_and_the_stage_commits(spar
 
 
 def test_line_bytes_decode_to_text_and_invalid_utf8_to_its_reject():
-    from spark_jobs.readers import decode_line, parse_json_line
+    from spark_jobs.enrich.readers import decode_line, parse_json_line
 
     assert parse_json_line(decode_line(BAD_UTF8_LINE))["read_error"].startswith("invalid_utf8")
     ok = parse_json_line(decode_line('{"uuid": "é", "messages": []}'.encode()))
@@ -135,7 +135,7 @@ def test_rejects_over_max_reject_ratio_fail_the_stage_with_the_counts(spark, tmp
 
 
 def test_the_filter_refuses_a_local_input_whose_file_does_not_match_its_manifest(spark, tmp_path):
-    from spark_jobs.similarity_filter import run
+    from spark_jobs.filter.job import run
 
     store = tmp_path / "store"
     cfg = load_config(env={}, overrides={

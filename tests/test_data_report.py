@@ -116,8 +116,8 @@ def test_run_summary_links_the_committed_page(sample):
 def test_loss_mask_spans_decode_exactly():
     """A two-turn conversation rendered by the filter's own tokenizer: the report's runs alternate
     prompt / answer, decode to exactly the document, and each trained run is an answer."""
-    from spark_jobs.chat_format import load_tokenizer
-    from spark_jobs.conversation import Conversation, Turn
+    from spark_jobs.conversations.chat_format import load_tokenizer
+    from spark_jobs.conversations.conversation import Conversation, Turn
 
     tok = load_tokenizer("mistral-v1")
     conv = Conversation(None, (Turn("user", "What is 2 + 2?"), Turn("assistant", "It is 4."),

@@ -16,7 +16,7 @@ import pytest
 from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact
 from pipeline_core.config import ConfigError, load_config
-from spark_jobs import decontaminate as dc
+from spark_jobs.filter import decontaminate as dc
 from tests.filter_helpers import FILTER_SETTINGS, KEEP, Rec, enriched_table, publish_enriched
 
 EVAL_DOCS = [
@@ -98,7 +98,7 @@ def contaminated_keys(spark, setup, cfg, explain: list | None = None) -> set[str
 
 @pytest.fixture(scope="module")
 def decon(spark, setup):
-    from spark_jobs.similarity_filter import run
+    from spark_jobs.filter.job import run
 
     root, eval_uri, cfg, table = setup.root, setup.eval_uri, setup.cfg, setup.table
     in_uri = uris.join(cfg.pipeline.store_uri, "datasets", "t", "enriched", "e1")

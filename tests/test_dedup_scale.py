@@ -1,4 +1,4 @@
-"""Near-duplicate detection at scale (spark_jobs/dedup.py, near_dup_clusters.py, dedup_recall.py):
+"""Near-duplicate detection at scale (spark_jobs/near_dups/dedup.py, near_dup_clusters.py, dedup_recall.py):
 the clustering method against brute force, its independence from partitioning, the measured
 recall it reports, and the LSH sizing rules. Real Spark local[2]."""
 
@@ -11,13 +11,13 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from spark_jobs.arrow_vectors import vector_array
-from spark_jobs.centroid_index import CentroidIndex
-from spark_jobs.dedup import lsh_candidate_probability, lsh_warnings, plan_lsh
-from spark_jobs.dedup_recall import wilson
-from spark_jobs.dedup_types import ClusterSettings, LshSettings, NearDupSettings
-from spark_jobs.near_dup_clusters import pairs_in_cluster, split_oversized
-from spark_jobs.spherical_kmeans import spherical_kmeans, top_clusters
+from spark_jobs.near_dups.arrow_vectors import vector_array
+from spark_jobs.near_dups.centroid_index import CentroidIndex
+from spark_jobs.near_dups.dedup import lsh_candidate_probability, lsh_warnings, plan_lsh
+from spark_jobs.near_dups.dedup_recall import wilson
+from spark_jobs.near_dups.dedup_types import ClusterSettings, LshSettings, NearDupSettings
+from spark_jobs.near_dups.near_dup_clusters import pairs_in_cluster, split_oversized
+from spark_jobs.near_dups.spherical_kmeans import spherical_kmeans, top_clusters
 
 DIM = 16  # per half: [q; a] rows have 2 * DIM values
 
@@ -257,7 +257,7 @@ def frame(spark, v: np.ndarray, keys: np.ndarray, partitions: int, tmp_path):
 
 
 def test_cluster_method_matches_brute_force_and_reports_measured_recall(spark, tmp_path):
-    from spark_jobs.dedup import near_duplicates
+    from spark_jobs.near_dups.dedup import near_duplicates
 
     v = clustered_rows(3000, 12, seed=5)
     keys = np.random.default_rng(2).choice(1 << 30, size=3000, replace=False).astype(np.int64)
@@ -284,7 +284,7 @@ def test_skewed_input_biggest_cluster_is_split_and_keeps_its_recall(spark, tmp_p
     the report says clusters were split and the largest is within the limit; no row is dropped
     without a smaller-key near duplicate (each representative is one), the recall against brute
     force is >= 0.95 (the issue's target), and the report's measured recall agrees with it."""
-    from spark_jobs.dedup import near_duplicates
+    from spark_jobs.near_dups.dedup import near_duplicates
 
     n = 4000
     v = skewed_rows(n, seed=0)
@@ -315,7 +315,7 @@ def test_stage_assigns_through_the_centroid_index_and_reports_its_agreement(spar
     as by brute force (a near-duplicate pair's two rows take the same path through the index, so the
     index's misses cost little recall: measured 0.992 here, 1.0 exhaustive, 0.956 with 2 probed),
     and the report states the index's agreement with exhaustive search and its setting."""
-    from spark_jobs.dedup import near_duplicates
+    from spark_jobs.near_dups.dedup import near_duplicates
 
     n = 6000
     v = clustered_rows(n, 60, seed=8)
@@ -336,7 +336,7 @@ def test_stage_assigns_through_the_centroid_index_and_reports_its_agreement(spar
 def test_measured_recall_sees_a_method_that_misses(spark, tmp_path):
     """The recall check is independent of the method: an LSH with one band of many bits misses most pairs,
     and the report says so (and states the analytic value it expected)."""
-    from spark_jobs.dedup import near_duplicates
+    from spark_jobs.near_dups.dedup import near_duplicates
 
     v = clustered_rows(1500, 6, seed=9)
     keys = np.arange(1500, dtype=np.int64) * 7919 % 100_003
@@ -351,7 +351,7 @@ def test_measured_recall_sees_a_method_that_misses(spark, tmp_path):
 
 @pytest.mark.parametrize("method", ["cluster", "lsh"])
 def test_both_methods_and_the_recall_check_respect_groups(spark, tmp_path, method):
-    from spark_jobs.dedup import near_duplicates
+    from spark_jobs.near_dups.dedup import near_duplicates
 
     v = clustered_rows(1500, 6, seed=11)
     keys = np.random.default_rng(4).choice(1 << 30, size=1500, replace=False).astype(np.int64)
@@ -371,7 +371,7 @@ def test_coarse_probes_setting_is_validated_and_reaches_the_method():
     from pydantic import ValidationError
 
     from pipeline_core.config import FilterSection
-    from spark_jobs.dedup import settings_for
+    from spark_jobs.near_dups.dedup import settings_for
 
     assert settings_for(FilterSection()).cluster.coarse_probes == 8
     assert settings_for(FilterSection(near_dup_coarse_probes=0)).cluster.coarse_probes == 0  # 0 = exhaustive

@@ -249,7 +249,7 @@ def test_pipeline_stage_files_exist():
     from plugins.mft_airflow.settings import load_settings
 
     settings = load_settings(env={})
-    for rel in ("dags/mistral_finetune.py", "spark_jobs/enrich.py", "spark_jobs/similarity_filter.py",
+    for rel in ("dags/mistral_finetune.py", "spark_jobs/enrich/job.py", "spark_jobs/filter/job.py",
                 "training/train.py", "training/ds_config.json"):
         assert (REPO / rel).is_file(), f"{rel} is missing"
     assert Path(settings.spark_app_dir) == REPO / "spark_jobs"

@@ -131,9 +131,9 @@ def test_airflow_parses_the_dag_without_import_errors(staging):
 def test_spark_submit_enriches_and_filters_the_bundled_sample(staging, config_file):
     script = (
         "cd /tmp\n"
-        f"spark-submit --master local[2] --conf spark.ui.enabled=false /opt/mft/spark_jobs/enrich.py "
+        f"spark-submit --master local[2] --conf spark.ui.enabled=false /opt/mft/spark_jobs/enrich/job.py "
         f"--input file:///opt/mft/sample_data/nemotron_v1 --output {ENRICHED} --config {config_file}\n"
-        f"spark-submit --master local[2] --conf spark.ui.enabled=false /opt/mft/spark_jobs/similarity_filter.py "
+        f"spark-submit --master local[2] --conf spark.ui.enabled=false /opt/mft/spark_jobs/filter/job.py "
         f"--input {ENRICHED} --output {TRAIN_READY} --config {config_file}\n"
     )
     proc = _in_image(script, staging, timeout=1200)

@@ -48,8 +48,8 @@ def test_torch_is_the_cuda_13_build_and_loads_its_libraries_without_a_gpu():
 
 
 def test_the_entry_points_import_next_to_the_cuda_torch():
-    code = ("import deepspeed, pyspark, airflow, pipeline_core.config, spark_jobs.enrich, "
-            "spark_jobs.similarity_filter, training.train, training.model; print('ok')")
+    code = ("import deepspeed, pyspark, airflow, pipeline_core.config, spark_jobs.enrich.job, "
+            "spark_jobs.filter.job, training.train, training.model; print('ok')")
     proc = _run(["python", "-c", code])
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 

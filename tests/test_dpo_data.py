@@ -16,11 +16,11 @@ import pytest
 from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact
 from pipeline_core.config import FilterSection, load_config
-from spark_jobs.chat_format import load_tokenizer
-from spark_jobs.filter_rows import conversation_options
+from spark_jobs.conversations.chat_format import load_tokenizer
+from spark_jobs.filter.filter_rows import conversation_options
+from spark_jobs.filter.render_docs import render_pair
 from spark_jobs.packing import IGNORE_INDEX, split_documents
 from spark_jobs.preference import PreferenceReject, parse_pair, preference_columns
-from spark_jobs.render_docs import render_pair
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "sample_data" / "preference"
@@ -98,7 +98,8 @@ def test_a_pair_over_seq_len_is_too_long():
 # ----------------------------------------------------------------------------- the real stages
 @pytest.fixture(scope="module")
 def staged(spark, tmp_path_factory):
-    from spark_jobs import enrich, similarity_filter
+    from spark_jobs.enrich import job as enrich
+    from spark_jobs.filter import job as similarity_filter
 
     tmp = tmp_path_factory.mktemp("dpo-data")
     cfg = load_config(env={}, overrides={

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spark_jobs.train_ready import write_rows
+from spark_jobs.filter.train_ready import write_rows
 from tests.dpo_helpers import hf_side_logps, pair_rows, rendered_pairs, trl_dpo
 from tests.training_helpers import make_tiny_model
 from training.dpo_data import pair_sides

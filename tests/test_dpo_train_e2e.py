@@ -19,7 +19,7 @@ import pytest
 from pipeline_core import layout, uris
 from pipeline_core.artifacts import fetch_artifact, publish_artifact, read_manifest
 from pipeline_core.config import load_config
-from spark_jobs.train_ready import write_rows
+from spark_jobs.filter.train_ready import write_rows
 from tests.proc_helpers import lines_within
 from tests.training_helpers import make_tiny_model
 from training.launch import kill_tree, process_env, standalone_argv
@@ -39,10 +39,10 @@ def dpo_train_ready(store: str, local: Path) -> str:
     from pipeline_core.config import FilterSection
     from pipeline_core.handoffs import TrainReadyInfo
     from pipeline_core.sample_preferences import _pairs
-    from spark_jobs.chat_format import load_tokenizer
-    from spark_jobs.filter_rows import conversation_options
+    from spark_jobs.conversations.chat_format import load_tokenizer
+    from spark_jobs.filter.filter_rows import conversation_options
+    from spark_jobs.filter.render_docs import render_pair
     from spark_jobs.preference import pair_row
-    from spark_jobs.render_docs import render_pair
 
     fcfg = FilterSection(objective="dpo", seq_len=SEQ)
     tok = load_tokenizer("mistral-v1")

@@ -1,4 +1,4 @@
-"""The embedding path at scale (spark_jobs/embeddings.py) and partition sizing (spark_jobs/partitioning.py),
+"""The embedding path at scale (spark_jobs/enrich/embeddings.py) and partition sizing (spark_jobs/partitioning.py),
 on CPU with the real bundled all-MiniLM-L6-v2: same vectors as SentenceTransformer.encode, long texts
 as chunk means, identical texts embedded once, invalid settings refused."""
 
@@ -9,7 +9,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from spark_jobs.embeddings import EmbeddingSpec, Encoder, get_model, spec_for
+from spark_jobs.enrich.embeddings import EmbeddingSpec, Encoder, get_model, spec_for
 from spark_jobs.partitioning import Slots, partitions_for
 
 WORDS = "river mountain engine library theorem protein market signal harbor orbit lattice violin".split()

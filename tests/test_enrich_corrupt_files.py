@@ -16,8 +16,8 @@ import pytest
 from pipeline_core import uris
 from pipeline_core.artifacts import read_manifest
 from pipeline_core.config import ConfigError, load_config
-from spark_jobs import enrich
-from spark_jobs.readers import CorruptInputFiles
+from spark_jobs.enrich import job as enrich
+from spark_jobs.enrich.readers import CorruptInputFiles
 
 SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "nemotron_v1" / "data"
 IGNORE = "spark.sql.files.ignoreCorruptFiles"

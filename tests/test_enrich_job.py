@@ -18,8 +18,8 @@ import pytest
 from pipeline_core import sample_data, uris
 from pipeline_core.artifacts import ArtifactConflict, read_manifest, verify_artifact
 from pipeline_core.config import load_config
-from spark_jobs import enrich
 from spark_jobs.common import parse_stage_args
+from spark_jobs.enrich import job as enrich
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "sample_data" / "nemotron_v1"
@@ -222,7 +222,7 @@ def test_spark_submit_on_json_lines_with_broken_lines(tmp_path):
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     spark_submit = Path(sys.executable).parent / "spark-submit"
     p = subprocess.run(
-        [str(spark_submit), "--master", "local[2]", str(REPO / "spark_jobs" / "enrich.py"),
+        [str(spark_submit), "--master", "local[2]", str(REPO / "spark_jobs" / "enrich" / "job.py"),
          "--input", uris.qualify(src), "--output", out, "--config", str(cfg_file)],
         env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )
@@ -239,7 +239,7 @@ def test_spark_submit_on_json_lines_with_broken_lines(tmp_path):
 def test_each_record_knows_its_split_across_files_and_arrow_batches(spark, tmp_path):
     """JSON Lines of two splits, each longer than an Arrow batch (512 rows here), read through the
     Python parser: every row carries the split of its own file (what extra.splits counts)."""
-    from spark_jobs.readers import read_records
+    from spark_jobs.enrich.readers import read_records
 
     data = tmp_path / "data"
     data.mkdir()

@@ -8,11 +8,11 @@ import pytest
 
 from pipeline_core import sample_data
 from pipeline_core.config import EnrichSection
-from spark_jobs.enrich import normalise_raw
-from spark_jobs.normalize import Rejected, normalise, split_reasoning
-from spark_jobs.readers import parse_json_line
-from spark_jobs.scoring import ScoringParams, score_record
-from spark_jobs.sentences import split_sentences
+from spark_jobs.conversations.normalize import Rejected, normalise, split_reasoning
+from spark_jobs.conversations.sentences import split_sentences
+from spark_jobs.enrich.job import normalise_raw
+from spark_jobs.enrich.readers import parse_json_line
+from spark_jobs.enrich.scoring import ScoringParams, score_record
 
 
 def m(role, content, tool_calls=None):

@@ -15,7 +15,7 @@ import pytest
 from pipeline_core import uris
 from pipeline_core.artifacts import read_manifest
 from pipeline_core.config import load_config
-from spark_jobs import enrich
+from spark_jobs.enrich import job as enrich
 from tests.conftest import REPO
 
 
@@ -60,7 +60,7 @@ def test_enrich_refuses_parquet_without_messages(spark, tmp_path):
     "hf://datasets/nvidia/../../etc@main",
 ])
 def test_enrich_command_refuses_a_malformed_hub_uri_before_spark_starts(tmp_path, bad):
-    cmd = [sys.executable, str(REPO / "spark_jobs" / "enrich.py"), "--input", bad, "--output", _out(tmp_path)]
+    cmd = [sys.executable, str(REPO / "spark_jobs" / "enrich" / "job.py"), "--input", bad, "--output", _out(tmp_path)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, (r.returncode, r.stderr[-3000:])  # argparse's usage error
     assert "hf://datasets/<owner>/<name>[@revision]" in r.stderr and bad in r.stderr, r.stderr[-2000:]
@@ -102,7 +102,7 @@ def _hf_tokenizer_dir(path: Path, chat_template: str) -> str:
 
 
 def test_filter_refuses_a_chat_template_whose_prompt_is_not_a_prefix(tmp_path):
-    from spark_jobs import similarity_filter
+    from spark_jobs.filter import job as similarity_filter
     from tests.filter_helpers import FILTER_SETTINGS, crafted_table, publish_enriched
 
     store = uris.qualify(tmp_path / "store")
@@ -141,7 +141,7 @@ def test_prompt_encoding_survives_a_changed_mistral_common_fast_path(monkeypatch
     from mistral_common.protocol.instruct.messages import AssistantMessage, UserMessage
     from mistral_common.protocol.instruct.request import InstructRequest
 
-    from spark_jobs.chat_format import load_tokenizer
+    from spark_jobs.conversations.chat_format import load_tokenizer
 
     load_tokenizer.cache_clear()
     probe = load_tokenizer("mistral-v1")
@@ -151,7 +151,7 @@ def test_prompt_encoding_survives_a_changed_mistral_common_fast_path(monkeypatch
     try:
         tok = load_tokenizer("mistral-v1")
         inst = tok._inst
-        from spark_jobs.conversation import ConversationOptions, build_conversation
+        from spark_jobs.conversations.conversation import ConversationOptions, build_conversation
 
         for prompt, answer in [("What is 2+2?", "4."), ("Context: ü 漢字.\n\nWhich?", "That one.")]:
             conv = build_conversation([{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],

@@ -25,8 +25,8 @@ import pytest
 from pipeline_core.handoffs import IGNORE_INDEX
 from pipeline_core.hf_tokenizer import mistral_common_file
 from pipeline_core.render_sample import SampleDocument, read_sample, write_sample
-from spark_jobs.chat_format import MISTRAL_V1_TEMPLATE, load_tokenizer
-from spark_jobs.conversation import Conversation, ToolCall, Turn
+from spark_jobs.conversations.chat_format import MISTRAL_V1_TEMPLATE, load_tokenizer
+from spark_jobs.conversations.conversation import Conversation, ToolCall, Turn
 from spark_jobs.packing import LengthLimits, make_document, pack, split_documents
 from training.export_tokenizer import export_tokenizer, set_chat_template
 from training.render_check import RenderMismatch, check_rendering, final_answer_start

@@ -17,9 +17,9 @@ from pipeline_core import sample_family as sf
 from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact
 from pipeline_core.config import load_config
-from spark_jobs import family
-from spark_jobs.chat_format import load_tokenizer
-from spark_jobs.conversation import (
+from spark_jobs.conversations import family
+from spark_jobs.conversations.chat_format import load_tokenizer
+from spark_jobs.conversations.conversation import (
     Conversation,
     ConversationOptions,
     RenderError,
@@ -27,8 +27,8 @@ from spark_jobs.conversation import (
     build_conversation,
     build_documents,
 )
-from spark_jobs.enrich import family_row, normalise_raw
-from spark_jobs.filter_rows import identity_match, identity_regex
+from spark_jobs.enrich.job import family_row, normalise_raw
+from spark_jobs.filter.filter_rows import identity_match, identity_regex
 from spark_jobs.packing import IGNORE_INDEX, split_documents
 
 REPO = Path(__file__).resolve().parents[1]
@@ -187,7 +187,8 @@ def family_cfg(root: Path, **filter_overrides):
 
 @pytest.fixture(scope="module")
 def family_run(spark, tmp_path_factory):
-    from spark_jobs import enrich, similarity_filter
+    from spark_jobs.enrich import job as enrich
+    from spark_jobs.filter import job as similarity_filter
 
     root = tmp_path_factory.mktemp("family")
     cfg = family_cfg(root)
@@ -290,7 +291,7 @@ def test_filter_identity_license_flags_and_provenance(family_run):
 
 
 def test_identity_keep_counts_instead_of_rejecting(family_run, spark, tmp_path):
-    from spark_jobs import similarity_filter
+    from spark_jobs.filter import job as similarity_filter
 
     cfg = family_cfg(tmp_path, identity_action="keep", licenses=None)
     out = uris.join(cfg.pipeline.store_uri, "datasets", "f", "train", "k")
@@ -322,7 +323,7 @@ def test_bundled_family_sample_is_what_its_generator_writes(tmp_path):
 
 
 def test_jsonl_line_numbers_hold_across_file_splits(spark, tmp_path):
-    from spark_jobs.readers import numbered_lines
+    from spark_jobs.enrich.readers import numbered_lines
 
     lines = [json.dumps({"n": i, "pad": "x" * (i * 37 % 300)}) for i in range(1, 301)]
     lines[41] = ""  # a blank line still counts as a line
@@ -344,7 +345,7 @@ def test_jsonl_line_numbers_hold_across_file_splits(spark, tmp_path):
 
 
 def test_rows_of_one_seed_conversation_share_the_split_key_and_differ_for_dedup():
-    from spark_jobs.filter_rows import conversation_keys
+    from spark_jobs.filter.filter_rows import conversation_keys
 
     by_id = {r["uuid"]: r for r in records("chat")}
     keys = {}

@@ -17,8 +17,8 @@ from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact
 from pipeline_core.config import load_config
 from pipeline_core.handoffs import IGNORE_INDEX, TrainReadyInfo
-from spark_jobs.chat_format import load_tokenizer
-from spark_jobs.conversation import ConversationOptions, build_conversation
+from spark_jobs.conversations.chat_format import load_tokenizer
+from spark_jobs.conversations.conversation import ConversationOptions, build_conversation
 from spark_jobs.packing import split_documents
 from tests.filter_helpers import Rec, enriched_table, publish_enriched
 
@@ -48,7 +48,7 @@ def _cfg(root: Path, **filter_overrides):
 
 
 def _run(spark, root: Path, files: int, **overrides):
-    from spark_jobs.similarity_filter import run
+    from spark_jobs.filter.job import run
 
     cfg = _cfg(root, **overrides)
     in_uri = uris.join(cfg.pipeline.store_uri, "enriched")
@@ -129,8 +129,8 @@ def test_validation_cap_moves_whole_prompts_to_train(spark, tmp_path):
 # ------------------------------------------------------------------ the bundled sample, enrich -> filter
 @pytest.fixture(scope="module")
 def sample(spark, tmp_path_factory):
-    from spark_jobs import enrich
-    from spark_jobs.similarity_filter import run
+    from spark_jobs.enrich import job as enrich
+    from spark_jobs.filter.job import run
 
     root = tmp_path_factory.mktemp("sample")
     cfg = load_config(env={}, overrides={

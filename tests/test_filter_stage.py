@@ -15,10 +15,15 @@ from pipeline_core import uris
 from pipeline_core.artifacts import ArtifactConflict, fetch_artifact
 from pipeline_core.config import ConfigError, FilterSection, load_config
 from pipeline_core.handoffs import IGNORE_INDEX
-from spark_jobs.chat_format import load_tokenizer
-from spark_jobs.conversation import ConversationOptions, build_conversation, prompt_text, sha256_hex
+from spark_jobs.conversations.chat_format import load_tokenizer
+from spark_jobs.conversations.conversation import (
+    ConversationOptions,
+    build_conversation,
+    prompt_text,
+    sha256_hex,
+)
+from spark_jobs.filter.split import split_column, split_of
 from spark_jobs.packing import split_documents
-from spark_jobs.split import split_column, split_of
 from tests.filter_helpers import (
     EXACT,
     FILTER_SETTINGS,
@@ -39,7 +44,7 @@ def make_cfg(root: Path, **filter_overrides):
 
 @pytest.fixture(scope="module")
 def filtered(spark, tmp_path_factory):
-    from spark_jobs.similarity_filter import run
+    from spark_jobs.filter.job import run
 
     root = tmp_path_factory.mktemp("filter")
     cfg = make_cfg(root, render_sample_documents=5)  # fewer than the kept documents: the cap is exercised
@@ -215,7 +220,7 @@ def test_render_sample_is_packed_documents_with_their_conversations(filtered, tm
 
 
 def test_rerun_is_a_noop_and_other_config_conflicts(filtered, spark):
-    from spark_jobs.similarity_filter import run
+    from spark_jobs.filter.job import run
 
     again = run(filtered.in_uri, filtered.out_uri, filtered.cfg, spark=spark)
     assert again.sha256 == filtered.manifest.sha256
@@ -232,7 +237,7 @@ GOLDEN_FRACTIONS = {1234: [0.09885728637029256, 0.3831277152748094, 0.7566032774
 
 
 def test_split_rule_golden_vectors():
-    from spark_jobs.split import split_fraction
+    from spark_jobs.filter.split import split_fraction
 
     for seed, frac, want in GOLDEN:
         assert [split_of(k, seed, frac) for k in GOLDEN_KEYS] == want
@@ -266,7 +271,7 @@ def test_split_is_stable_across_partitionings_and_matches_python(spark):
 def test_near_duplicate_detection_is_independent_of_partitioning(filtered, spark):
     from pyspark.sql import functions as F
 
-    from spark_jobs.dedup import find_near_duplicates
+    from spark_jobs.near_dups.dedup import find_near_duplicates
 
     df = spark.read.parquet(str(filtered.root / "enriched" / "data")).filter(F.col("question_embedding").isNotNull())
     df = df.withColumn("_key", F.xxhash64("id")).withColumn("_vec", F.concat("question_embedding", "answer_embedding"))
@@ -282,7 +287,7 @@ def test_near_duplicate_detection_is_independent_of_partitioning(filtered, spark
 
 
 def test_invalid_parameters_fail_before_compute(filtered, spark, tmp_path):
-    from spark_jobs.similarity_filter import main, run
+    from spark_jobs.filter.job import main, run
 
     with pytest.raises(ValueError, match="--input: .* is a bare path"):
         run("/tmp/enriched", filtered.out_uri + "-x", filtered.cfg, spark=spark)

@@ -1,4 +1,4 @@
-"""The filter stage as it is deployed: the real `spark-submit` running spark_jobs/similarity_filter.py
+"""The filter stage as it is deployed: the real `spark-submit` running spark_jobs/filter/job.py
 with `--input/--output/--config`, input and output on S3 (moto's real server over HTTP)."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_spark_submit_filters_s3_enriched_artifact_into_train_ready_shards(s3_se
     env = {**os.environ, **s3_server.env, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     p = subprocess.run(
         [str(Path(sys.executable).parent / "spark-submit"), "--master", "local[2]",
-         "--conf", "spark.ui.enabled=false", str(REPO / "spark_jobs" / "similarity_filter.py"),
+         "--conf", "spark.ui.enabled=false", str(REPO / "spark_jobs" / "filter" / "job.py"),
          "--input", in_uri, "--output", out_uri, "--config", str(config_file)],
         env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path,
     )

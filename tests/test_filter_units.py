@@ -7,8 +7,9 @@ import random
 import numpy as np
 import pytest
 
-from spark_jobs.chat_format import load_tokenizer
-from spark_jobs.conversation import Conversation, Turn
+from spark_jobs.conversations.chat_format import load_tokenizer
+from spark_jobs.conversations.conversation import Conversation, Turn
+from spark_jobs.filter.split import split_of
 from spark_jobs.packing import (
     ANSWER_TOO_SHORT,
     EXCEEDS_SEQ_LEN,
@@ -22,7 +23,6 @@ from spark_jobs.packing import (
     pack,
     split_documents,
 )
-from spark_jobs.split import split_of
 
 MISTRAL_V01_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
@@ -174,7 +174,7 @@ def test_render_partitions_trains_on_the_reasoning_trace_only_when_configured():
     import pandas as pd
 
     from pipeline_core.config import FilterSection
-    from spark_jobs.render_docs import render_partitions
+    from spark_jobs.filter.render_docs import render_partitions
 
     tok = load_tokenizer("mistral-v1")
     raw = json.dumps({"id": "a", "question": "Q?"})
@@ -210,7 +210,7 @@ def test_overflow_drop_earlier_reasoning_keeps_the_answer_whole_and_counts_the_f
 
     from pipeline_core.config import FilterSection
     from pipeline_core.render_sample import key_threshold
-    from spark_jobs.render_docs import render_partitions
+    from spark_jobs.filter.render_docs import render_partitions
 
     tok = load_tokenizer("mistral-v3")
     calls = [{"role": "user", "content": "Weather in Oslo?"},
@@ -235,7 +235,7 @@ def test_overflow_drop_earlier_reasoning_keeps_the_answer_whole_and_counts_the_f
     assert f'"call_id": "{cid}"' in tok.decode(out["input_ids"][0])
     assert key_threshold(10, 80) == key_threshold(10, 0) == 2 ** 63
     assert key_threshold(10, 8000) == -(2 ** 63) + 2 ** 64 // 100
-    from spark_jobs.render_docs import render_partitions
+    from spark_jobs.filter.render_docs import render_partitions
 
     tok = load_tokenizer("mistral-v1")
     long_trace = " ".join(["step"] * 60)

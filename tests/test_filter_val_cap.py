@@ -9,7 +9,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from spark_jobs.filter_rows import prompts_past_cap
+from spark_jobs.filter.filter_rows import prompts_past_cap
 
 SPARK_CONF = {"spark.sql.shuffle.partitions": "4"}  # runtime settings for this module on the shared session (conftest `spark`)
 

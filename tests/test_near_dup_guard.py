@@ -18,7 +18,7 @@ from bench.neardup_corpus import corpus
 from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact
 from pipeline_core.config import ConfigError, load_config
-from spark_jobs.near_dup_guard import guard_features, guard_key, normalise_number
+from spark_jobs.near_dups.near_dup_guard import guard_features, guard_key, normalise_number
 from tests.filter_helpers import FILTER_SETTINGS, Rec, embed, enriched_table, publish_enriched
 
 THRESHOLD = 0.9
@@ -71,7 +71,7 @@ def test_the_guard_setting_is_validated_and_content_hashed():
 
 @pytest.fixture(scope="module")
 def filtered(spark, tmp_path_factory):
-    from spark_jobs.similarity_filter import run
+    from spark_jobs.filter.job import run
 
     root = tmp_path_factory.mktemp("guard")
     cfg = load_config(env={}, overrides={
@@ -189,8 +189,8 @@ def _unit(v):
 def test_chain_keeps_both_ends(spark, method):
     """A~B (0.95), B~C (0.95), A !~ C (0.805): keep-first keeps A and C and drops B for A. The old
     rule dropped B and C (C named B, which was itself dropped)."""
-    from spark_jobs.dedup import near_duplicates
-    from spark_jobs.dedup_types import ClusterSettings, NearDupSettings
+    from spark_jobs.near_dups.dedup import near_duplicates
+    from spark_jobs.near_dups.dedup_types import ClusterSettings, NearDupSettings
 
     rng = np.random.default_rng(0)
     e = np.linalg.qr(rng.normal(size=(384, 3)))[0].T  # orthonormal
@@ -208,7 +208,7 @@ def test_chain_keeps_both_ends(spark, method):
 def test_keep_first_is_the_greedy_rule_on_chains_cliques_and_stars(spark):
     """keep_first against the sequential definition (rows in key order; drop a row that neighbours
     a kept one) on a long chain, a clique and a star whose centre has the largest key."""
-    from spark_jobs.keep_first import keep_first
+    from spark_jobs.near_dups.keep_first import keep_first
 
     edges = [(k + 1, k, 0.95) for k in range(1, 9)]  # chain 1-2-...-9
     edges += [(b, a, 0.99 - (b - a) / 1000) for a in range(20, 25) for b in range(a + 1, 25)]  # clique 20..24
@@ -231,8 +231,8 @@ def test_keep_first_is_the_greedy_rule_on_chains_cliques_and_stars(spark):
 def test_without_the_guard_numbers_only_variants_are_dropped(spark):
     """The same MiniLM vectors through the entry point: guard keys equal (guard none) drop variants
     of the same template; the guard's keys keep every one and count the pairs it saved."""
-    from spark_jobs.dedup import near_duplicates
-    from spark_jobs.dedup_types import NearDupSettings
+    from spark_jobs.near_dups.dedup import near_duplicates
+    from spark_jobs.near_dups.dedup_types import NearDupSettings
 
     its = [i for i in items() if i.kind == "instance"]
     v = np.concatenate([embed([i.question for i in its]), embed([i.answer for i in its])], axis=1)

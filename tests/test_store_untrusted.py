@@ -28,7 +28,7 @@ LINE = b'{"uuid": "a", "messages": [{"role": "user", "content": "q"}, {"role": "
 
 # ---------------------------------------------------------------- 8a: keys are not paths
 def test_input_keys_that_would_escape_the_download_dir_are_refused(spark, s3_server, s3_bucket_uri, tmp_path):
-    from spark_jobs.readers import read_records
+    from spark_jobs.enrich.readers import read_records
 
     bucket = uris.split_bucket_key(s3_bucket_uri)[0]
     client = s3_server.client()
@@ -74,7 +74,8 @@ def test_a_store_that_ignores_if_none_match_is_refused_naming_the_setting(s3_ser
 
 
 def test_a_stage_refuses_to_start_on_such_a_store_before_spark(s3_server, s3_bucket_uri, tmp_path, monkeypatch):
-    from spark_jobs import common, enrich
+    from spark_jobs import common
+    from spark_jobs.enrich import job as enrich
 
     def no_spark(*a, **k):
         raise AssertionError("Spark started on a store without conditional writes")

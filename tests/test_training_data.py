@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline_core.handoffs import IGNORE_INDEX
-from spark_jobs.train_ready import write_rows
+from spark_jobs.filter.train_ready import write_rows
 from training.data import COLUMNS, DataError, MicroBatches, ShardSet, columns_for
 
 SEQ = 8

@@ -12,7 +12,7 @@ import torch
 from pipeline_core import uris
 from pipeline_core.config import load_config
 from pipeline_core.handoffs import TokenizerSpec
-from spark_jobs.train_ready import write_train_ready
+from spark_jobs.filter.train_ready import write_train_ready
 from tests.training_helpers import make_tiny_model, tokenized_corpus
 from training import runtime, train
 from training.optim import OptimizerConfigError, SkipNonFiniteAdamW, build_ds_config, decay_groups

@@ -26,8 +26,8 @@ def sample_document(tok, conv, doc, doc_id: str, split: str):
 
 def conversation_corpus(n_docs: int, seq_len: int, seed: int = 0) -> list:
     """`tokenized_corpus` with each document's conversation: (Conversation, Document) pairs."""
-    from spark_jobs.chat_format import load_tokenizer
-    from spark_jobs.conversation import Conversation, Turn
+    from spark_jobs.conversations.chat_format import load_tokenizer
+    from spark_jobs.conversations.conversation import Conversation, Turn
     from spark_jobs.packing import LengthLimits, make_document
 
     tok = load_tokenizer("mistral-v1")
@@ -49,8 +49,8 @@ def build_train_ready(root_uri: str, local_dir: Path, *, seq_len: int, n_train_d
                       storage=None, files: int = 2) -> str:
     """A committed train-ready artifact of `conversation_corpus` (the product writer, train_ready.py)."""
     from pipeline_core import uris
-    from spark_jobs.chat_format import load_tokenizer
-    from spark_jobs.train_ready import write_train_ready
+    from spark_jobs.conversations.chat_format import load_tokenizer
+    from spark_jobs.filter.train_ready import write_train_ready
 
     tok = load_tokenizer("mistral-v1")
     pairs = conversation_corpus(n_train_docs + n_val_docs, seq_len)
@@ -83,11 +83,11 @@ def sample_train_ready(root_uri: str, local_dir: Path, *, seq_len: int, storage=
 
     from pipeline_core import uris
     from pipeline_core.config import PROJECT_ROOT, EnrichSection
-    from spark_jobs.chat_format import load_tokenizer
-    from spark_jobs.conversation import ConversationOptions, RenderError, build_conversation
-    from spark_jobs.enrich import normalise_raw
+    from spark_jobs.conversations.chat_format import load_tokenizer
+    from spark_jobs.conversations.conversation import ConversationOptions, RenderError, build_conversation
+    from spark_jobs.enrich.job import normalise_raw
+    from spark_jobs.filter.train_ready import write_train_ready
     from spark_jobs.packing import Document, LengthLimits, make_document
-    from spark_jobs.train_ready import write_train_ready
 
     tok = load_tokenizer("mistral-v1")
     limits = LengthLimits(seq_len=seq_len, max_tokens=1 << 20, min_answer_tokens=1, overflow="truncate")

@@ -7,12 +7,12 @@ Validates the trigger's Params against the deployment's config (named params and
 config file under `pipeline.staging_uri`, and returns the run's **RunPlan** (every URI) to XCom.
 Fails without retries on an invalid value, naming the field.""",
     "enrich": """### enrich (Spark)
-`spark_jobs/enrich.py --input <source_uri> --output <enriched_uri> --config <file>` through
+`spark_jobs/enrich/job.py --input <source_uri> --output <enriched_uri> --config <file>` through
 `spark-submit` on connection `spark_default`: normalise conversations, embed, score context
 relevance. A committed artifact is reused. Emits an asset event (rows in/out/rejected) and
 OpenLineage input/output datasets.""",
     "filter": """### filter (Spark)
-`spark_jobs/similarity_filter.py`: similarity filter, exact and near-duplicate removal, split,
+`spark_jobs/filter/job.py`: similarity filter, exact and near-duplicate removal, split,
 chat-template rendering, tokenization and packing into train-ready shards. Asset event with rows
 and tokens per split.""",
     "train": """### train (DeepSpeed)

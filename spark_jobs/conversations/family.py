@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from spark_jobs.normalize import is_placeholder
+from spark_jobs.conversations.normalize import is_placeholder
 
 # A code-reasoning row's `dataset` value -> the hub id its `prompt_sources` entry is keyed by.
 DATASET_HUB_IDS = {

@@ -29,9 +29,14 @@ import pandas as pd
 
 from pipeline_core.config import FilterSection
 from pipeline_core.render_sample import chat_json
-from spark_jobs.chat_format import ChatTokenizer, load_tokenizer
-from spark_jobs.conversation import ConversationOptions, RenderError, build_conversation, build_documents
-from spark_jobs.filter_rows import conversation_options
+from spark_jobs.conversations.chat_format import ChatTokenizer, load_tokenizer
+from spark_jobs.conversations.conversation import (
+    ConversationOptions,
+    RenderError,
+    build_conversation,
+    build_documents,
+)
+from spark_jobs.filter.filter_rows import conversation_options
 from spark_jobs.packing import Document, LengthLimits, make_document
 
 DOC_SCHEMA = (
@@ -192,8 +197,8 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
 def _lengths(whole, messages, rec, plain, opts, tok: ChatTokenizer, fcfg: FilterSection) -> tuple[int, int]:
     """Tokens of the whole conversation with its final reasoning and without (rendered once more
     only when the two differ)."""
-    from spark_jobs.conversation import build_conversation
-    from spark_jobs.normalize import message_parts
+    from spark_jobs.conversations.conversation import build_conversation
+    from spark_jobs.conversations.normalize import message_parts
 
     n = len(whole.input_ids)
     last = next((m for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "assistant"), None)

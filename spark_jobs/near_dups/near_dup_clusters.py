@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from spark_jobs.arrow_vectors import vector_array, vector_matrix
-from spark_jobs.centroid_index import CentroidIndex, indexed_assign
-from spark_jobs.dedup_types import FLOAT32_SLACK, ClusterSettings
-from spark_jobs.spherical_kmeans import spherical_kmeans, unit_rows
+from spark_jobs.near_dups.arrow_vectors import vector_array, vector_matrix
+from spark_jobs.near_dups.centroid_index import CentroidIndex, indexed_assign
+from spark_jobs.near_dups.dedup_types import FLOAT32_SLACK, ClusterSettings
+from spark_jobs.near_dups.spherical_kmeans import spherical_kmeans, unit_rows
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -231,7 +231,7 @@ def find_near_duplicates_clustered(df, *, key: str, vec: str, threshold: float, 
     shuffled once."""
     from pyspark.sql import functions as F
 
-    from spark_jobs.dedup_recall import group_column
+    from spark_jobs.near_dups.dedup_recall import group_column
 
     clustering = fit_clusters(df, key=key, vec=vec, rows=rows, s=s)
     index, probes, margin = clustering.index, s.probes, s.probe_margin

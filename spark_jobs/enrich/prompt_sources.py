@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from pipeline_core.config import StorageSection
 
-log = logging.getLogger("spark_jobs.prompt_sources")
+log = logging.getLogger("spark_jobs.enrich.prompt_sources")
 
 SEED_SCHEMA = "restore_source string, restore_recipe string, restore_key string, seed_prompt string, seed_system string"
 SOURCE_MISSING = "prompt_source_missing"  # the row's seed dataset has no enrich.prompt_sources entry
@@ -64,7 +64,7 @@ class SourceInfo:
 
 def _local_copy(uri: str, dest: Path, storage: StorageSection | None, spark: SparkSession) -> str | None:
     """hub datasets, and s3:// without an s3a connector, are copied to staging first."""
-    from spark_jobs.readers import HUB_PREFIX, download_store_prefix, parse_hub_uri, spark_reads_s3
+    from spark_jobs.enrich.readers import HUB_PREFIX, download_store_prefix, parse_hub_uri, spark_reads_s3
 
     if uri.startswith(HUB_PREFIX):
         from huggingface_hub import snapshot_download
@@ -81,7 +81,7 @@ def _local_copy(uri: str, dest: Path, storage: StorageSection | None, spark: Spa
 def seed_files(spark: SparkSession, uri: str) -> list[str]:
     """Parquet / JSON Lines files of a seed copy: the file itself, or those at its top, under
     `data/` or one directory down (`<split>/…`)."""
-    from spark_jobs.readers import glob_files
+    from spark_jobs.enrich.readers import glob_files
 
     base = uris.to_spark_uri(uri).rstrip("/")
     exts = ("parquet", "jsonl", "json")

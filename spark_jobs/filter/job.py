@@ -1,6 +1,6 @@
 """Filter stage: enriched artifact -> train-ready artifact (DESIGN.md "filter" and "Contracts").
 
-    spark-submit spark_jobs/similarity_filter.py --input URI --output URI [--config FILE]
+    spark-submit spark_jobs/filter/job.py --input URI --output URI [--config FILE]
 
 Reads a committed enriched artifact (its files verified against the manifest, local or remote)
 and, in Spark, through the shared stage lifecycle (`common.run_stage`):
@@ -55,13 +55,13 @@ from spark_jobs.common import (
     setup_logging,
     write_parquet,
 )
-from spark_jobs.decontaminate import EvalSet, resolve_eval_sets
-from spark_jobs.dedup_types import NearDupReport
+from spark_jobs.filter.decontaminate import EvalSet, resolve_eval_sets
+from spark_jobs.filter.render_docs import DOC_SCHEMA, render_partitions
+from spark_jobs.filter.split import SPLIT_RULE, SPLITS
+from spark_jobs.filter.train_ready import KIND, SplitStats, describe
+from spark_jobs.near_dups.dedup_types import NearDupReport
 from spark_jobs.packing import ROW_SCHEMA, pack_partitions
 from spark_jobs.partitioning import FILTER_ROWS_PER_PARTITION, stage_partitions
-from spark_jobs.render_docs import DOC_SCHEMA, render_partitions
-from spark_jobs.split import SPLIT_RULE, SPLITS
-from spark_jobs.train_ready import KIND, SplitStats, describe
 
 log = logging.getLogger("spark_jobs.filter")
 
@@ -107,7 +107,7 @@ def stage_config(cfg: Config, input_uri: str, input_manifest: Manifest,
 
 def run(input_uri: str, output_uri: str, cfg: Config, spark=None) -> Manifest:
     """Filter `input_uri` (committed enriched artifact) into `output_uri` (train-ready artifact)."""
-    from spark_jobs.chat_format import load_tokenizer
+    from spark_jobs.conversations.chat_format import load_tokenizer
 
     input_uri = uris.require_uri(input_uri, "--input").rstrip("/")
     output_uri = uris.require_uri(output_uri, "--output").rstrip("/")
@@ -133,8 +133,8 @@ def _compute(ctx: StageContext, input_uri: str, in_manifest: Manifest, cfg: Conf
              eval_sets: Sequence[EvalSet] = ()) -> StageOutput:
     from pyspark.sql import functions as F
 
-    from spark_jobs import decontaminate, filter_rows
-    from spark_jobs.chat_format import load_tokenizer
+    from spark_jobs.conversations.chat_format import load_tokenizer
+    from spark_jobs.filter import decontaminate, filter_rows
 
     fcfg, spark, timer, staging = cfg.filter, ctx.spark, ctx.timer, ctx.staging
     tok = load_tokenizer(fcfg.tokenizer)
@@ -175,7 +175,7 @@ def _compute(ctx: StageContext, input_uri: str, in_manifest: Manifest, cfg: Conf
         counts, extra = _pack_and_describe(ctx, docs_uri, n_in, cfg, tok, decon_info, provenance)
         if "identity_matches_kept" in row_stats:
             extra["identity_matches_kept"] = row_stats["identity_matches_kept"]
-        # method, parameters and the recall measured on this data (spark_jobs/dedup.py)
+        # method, parameters and the recall measured on this data (spark_jobs/near_dups/dedup.py)
         near = [r for r in reports if isinstance(r, NearDupReport)]
         extra["near_duplicates"] = near[0].as_manifest() if near else None
         return StageOutput(counts, extra, inputs=(input_uri,))
@@ -316,6 +316,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Import by module name so Spark pickles the UDF bodies by reference, not as __main__ copies.
-    from spark_jobs.similarity_filter import main as _main
+    from spark_jobs.filter.job import main as _main
 
     sys.exit(_main())

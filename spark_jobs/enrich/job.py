@@ -1,6 +1,6 @@
 """enrich: raw Nemotron records -> question, answer, context sentences, similarities, relevant context.
 
-    spark-submit spark_jobs/enrich.py --input URI --output URI [--config FILE]
+    spark-submit spark_jobs/enrich/job.py --input URI --output URI [--config FILE]
 
 DESIGN.md "enrich" and "Contracts". Spark writes the artifact to a local staging directory
 (fully qualified file:// URI), then the stage publishes it to `--output` (file:// or s3://)
@@ -30,17 +30,16 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd  # module level: pandas_udf resolves its type hints in this module
 
-# `spark-submit spark_jobs/enrich.py` puts spark_jobs/ itself on sys.path, not the project root;
+# `spark-submit spark_jobs/enrich/job.py` puts spark_jobs/enrich/ itself on sys.path, not the project root;
 # the project is normally installed (pip install -e . / the image), this covers a bare checkout.
 if __package__ in (None, ""):
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline_core import uris
 from pipeline_core.artifacts import Manifest
 from pipeline_core.config import Config, EnrichSection, load_config
-from spark_jobs import family, prompt_sources
 from spark_jobs.common import (
     StageContext,
     StageOutput,
@@ -54,17 +53,19 @@ from spark_jobs.common import (
     task_cpus,
     write_parquet,
 )
-from spark_jobs.conversation import BAD_TRAIN_TURNS, train_turns
-from spark_jobs.normalize import Rejected, normalise
+from spark_jobs.conversations import family
+from spark_jobs.conversations.conversation import BAD_TRAIN_TURNS, train_turns
+from spark_jobs.conversations.normalize import Rejected, normalise
+from spark_jobs.enrich import prompt_sources
+from spark_jobs.enrich.readers import MESSAGES_DDL, SPLIT_COLUMN, read_records
+from spark_jobs.enrich.scoring import ScoringParams, score_record
 from spark_jobs.partitioning import ENRICH_ROWS_PER_PARTITION, stage_partitions
 from spark_jobs.preference import PAIR_COLUMNS, with_preference_columns, with_rejected_similarity
-from spark_jobs.readers import MESSAGES_DDL, SPLIT_COLUMN, read_records
-from spark_jobs.scoring import ScoringParams, score_record
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-log = logging.getLogger("spark_jobs.enrich")
+log = logging.getLogger("spark_jobs.enrich.job")
 
 STAGE = "enrich"
 KIND = "enriched"
@@ -207,7 +208,7 @@ def score_batches(batches: Iterator[tuple[Sequence[str], Sequence[str], Sequence
                   e: EnrichSection, threads: int) -> Iterator[list[dict[str, Any]]]:
     """score_batch of each (questions, answers, contexts) batch, in order, through the Encoder's
     stream: the next batch is tokenised while the device embeds this one."""
-    from spark_jobs.embeddings import get_encoder, spec_for
+    from spark_jobs.enrich.embeddings import get_encoder, spec_for
 
     pending: deque[tuple[int, list[list[str]]]] = deque()
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from spark_jobs.spherical_kmeans import blocked_top, nearest, spherical_kmeans, top_clusters, top_k
+from spark_jobs.near_dups.spherical_kmeans import blocked_top, nearest, spherical_kmeans, top_clusters, top_k
 
 _COARSE_ITERATIONS = 20
 

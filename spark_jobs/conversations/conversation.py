@@ -35,8 +35,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from spark_jobs.family import tool_schemas as family_tool_schemas
-from spark_jobs.normalize import message_parts, split_reasoning
+from spark_jobs.conversations.family import tool_schemas as family_tool_schemas
+from spark_jobs.conversations.normalize import message_parts, split_reasoning
 
 THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n\n"
 

@@ -45,8 +45,8 @@ from typing import Any, Literal
 
 from pipeline_core.handoffs import TokenizerSpec
 from pipeline_core.hf_tokenizer import MISTRAL_COMMON_FILES, mistral_common_file
-from spark_jobs.chat_templates import MISTRAL_V1_TEMPLATE, MISTRAL_V3_TEMPLATE
-from spark_jobs.conversation import (
+from spark_jobs.conversations.chat_templates import MISTRAL_V1_TEMPLATE, MISTRAL_V3_TEMPLATE
+from spark_jobs.conversations.conversation import (
     RENDER_FAILED,
     TEMPLATE_UNSUPPORTED,
     Conversation,
@@ -368,7 +368,7 @@ class HFChatTokenizer(ChatTokenizer):
         self._generation_marks = "{% generation %}" in self._template or "{%- generation %}" in self._template
         self._version = transformers.__version__
         if self._template:  # a template that cannot be split into prompt + answer fails at load, not in an executor
-            from spark_jobs.conversation import ConversationOptions, build_conversation
+            from spark_jobs.conversations.conversation import ConversationOptions, build_conversation
 
             probe = build_conversation([{"role": "user", "content": "What is 2+2?"},
                                         {"role": "assistant", "content": "4."}], None, None, ConversationOptions())

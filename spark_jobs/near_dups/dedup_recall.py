@@ -15,8 +15,8 @@ import math
 
 import numpy as np
 
-from spark_jobs.arrow_vectors import vector_matrix
-from spark_jobs.dedup_types import FLOAT32_SLACK, RecallEstimate
+from spark_jobs.near_dups.arrow_vectors import vector_matrix
+from spark_jobs.near_dups.dedup_types import FLOAT32_SLACK, RecallEstimate
 
 _SAMPLE_BUCKETS = 1 << 20
 

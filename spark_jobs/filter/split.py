@@ -22,7 +22,7 @@ TRAIN, VAL = "train", "val"
 SPLITS = (TRAIN, VAL)
 _BITS = 52  # 13 hex digits: exact in a double
 SPLIT_RULE = ("val iff int(sha256(f'{seed}:{prompt_key}')[:13], 16) / 2**52 < val_fraction, where prompt_key = "
-              "sha256 hex of the canonical prompt (spark_jobs.conversation.prompt_text), or of the seed conversation "
+              "sha256 hex of the canonical prompt (spark_jobs.conversations.conversation.prompt_text), or of the seed conversation "
               "for rows cut from one (conversation.seed_prompt_key: metadata.seed_dataset + seed_prompt_sha256); "
               "then at most "
               "val_max_documents val documents, whole prompts in hash order, the rest to train")

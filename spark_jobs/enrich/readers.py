@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from pipeline_core.config import StorageSection
 
-log = logging.getLogger("spark_jobs.readers")
+log = logging.getLogger("spark_jobs.enrich.readers")
 
 STRING_FIELDS = ("uuid", "license", "generator", "version", "category", "reasoning", "metadata")
 RAW_SCHEMA = ", ".join(f"{f} string" for f in STRING_FIELDS) + ", messages_json string, raw string, read_error string"

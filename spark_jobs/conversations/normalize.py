@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from spark_jobs.sentences import split_units
+from spark_jobs.conversations.sentences import split_units
 
 ROLES = ("system", "user", "assistant", "tool")
 ReasoningMode = Literal["separate", "drop", "inline"]

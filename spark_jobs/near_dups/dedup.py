@@ -44,8 +44,8 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, DoubleType, LongType
 
-from spark_jobs.dedup_types import ClusterSettings, LshSettings, NearDupReport, NearDupSettings
-from spark_jobs.keep_first import keep_first
+from spark_jobs.near_dups.dedup_types import ClusterSettings, LshSettings, NearDupReport, NearDupSettings
+from spark_jobs.near_dups.keep_first import keep_first
 
 log = logging.getLogger(__name__)
 
@@ -120,8 +120,8 @@ def lsh_pairs(
     _sim) counts per row those whose keys differ. `vec` holds the concatenated unit-norm question
     and answer embeddings; with `group`, only rows of the same group value can be near duplicates (a
     bucket is (band, code, group))."""
-    from spark_jobs.dedup_recall import group_column
-    from spark_jobs.near_dup_clusters import saved_per_row
+    from spark_jobs.near_dups.dedup_recall import group_column
+    from spark_jobs.near_dups.near_dup_clusters import saved_per_row
 
     sig = _signature_udf(bands, rows_per_band, seed)
     buckets = df.select(F.col(key), group_column(group).alias("_group"), F.posexplode(sig(F.col(vec))).alias("_band", "_code"))
@@ -238,8 +238,8 @@ def near_duplicates(df: DataFrame, *, key: str, vec: str, settings: NearDupSetti
     (a long column, near_dup_guard.guard_column), two rows can be near duplicates only when their
     guard keys are equal too; the pairs that differ only there are counted ("saved"). `df` is read
     several times: persist it first."""
-    from spark_jobs.dedup_recall import measure_recall
-    from spark_jobs.near_dup_clusters import find_near_duplicates_clustered
+    from spark_jobs.near_dups.dedup_recall import measure_recall
+    from spark_jobs.near_dups.near_dup_clusters import find_near_duplicates_clustered
 
     rows = df.count() if rows is None else rows
     t = settings.threshold

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import pandas as pd  # module level: pandas_udf resolves its type hints in this module
 
 from pipeline_core.config import FilterSection
-from spark_jobs.conversation import (
+from spark_jobs.conversations.conversation import (
     ConversationOptions,
     RenderError,
     build_conversation,
@@ -30,15 +30,15 @@ from spark_jobs.conversation import (
     seed_prompt_key,
     sha256_hex,
 )
-from spark_jobs.dedup_types import NearDupReport, SavedPair
-from spark_jobs.near_dup_guard import guard_column
-from spark_jobs.normalize import message_parts
+from spark_jobs.conversations.normalize import message_parts
+from spark_jobs.near_dups.dedup_types import NearDupReport, SavedPair
+from spark_jobs.near_dups.near_dup_guard import guard_column
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame
 
     from spark_jobs.common import StageContext
-    from spark_jobs.decontaminate import Decontaminator
+    from spark_jobs.filter.decontaminate import Decontaminator
 
 MISSING_FIELD = "missing_field"
 LOW_QA_SIMILARITY = "low_qa_similarity"
@@ -124,7 +124,7 @@ def context_key(df: DataFrame) -> Column:
     tool conversation a copy of a single-turn one (each is a different training example)."""
     from pyspark.sql import functions as F
 
-    from spark_jobs.dedup import normalised_text
+    from spark_jobs.near_dups.dedup import normalised_text
 
     sentences = (F.concat_ws("\u0001", F.transform(F.col("context_sentences"), normalised_text))
                  if "context_sentences" in df.columns else F.lit(""))
@@ -227,7 +227,7 @@ def saved_by_split(report: NearDupReport, saved: DataFrame, near: DataFrame, lea
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    from spark_jobs.split import split_column
+    from spark_jobs.filter.split import split_column
 
     rows = saved.join(lean.select("_key", "id", "_prompt_key"), "_key").withColumn(
         "_split", split_column("_prompt_key", fcfg.seed, fcfg.val_fraction)).persist()
@@ -251,9 +251,9 @@ def decisions(ctx: StageContext, rows: DataFrame, fcfg: FilterSection, reports: 
     decontamination's (rows removed per eval set) are appended to `reports`."""
     from pyspark.sql import functions as F
 
-    from spark_jobs import decontaminate as dc
-    from spark_jobs import dedup
-    from spark_jobs.split import VAL, split_column
+    from spark_jobs.filter import decontaminate as dc
+    from spark_jobs.filter.split import VAL, split_column
+    from spark_jobs.near_dups import dedup
 
     grams = [dc.record_grams(F.col("_messages_json"), fcfg, decon.short_lengths).alias("_grams")] if decon else []
     lean = ctx.persist(rows.select(
