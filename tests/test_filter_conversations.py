@@ -150,7 +150,7 @@ def test_the_docs_sample_counts_are_this_runs(sample):
 
     block = render(sample.enrich.counts, sample.filter.counts)
     for doc in DOCS:
-        assert blocks(doc) == [block], f"{doc.name}: stale sample counts; run python -m reports.sample_counts"
+        assert blocks(doc) == [block], f"{doc.relative_to(REPO)}: stale sample counts; run python -m reports.sample_counts"
 
 
 def test_sample_duplicate_expectations_hold_in_the_filter_output(sample):
