@@ -18,10 +18,11 @@ import airflow.providers.standard.decorators.python  # noqa: F401  (@task's oper
 import pendulum
 from airflow.sdk import DAG, AssetAlias, Param, TriggerRule
 
+from plugins.mft_airflow.approval import ApprovalGateOperator
 from plugins.mft_airflow.docs import TASK_DOCS
-from plugins.mft_airflow.gates import ApprovalGateOperator, DataReportOperator
 from plugins.mft_airflow.operators import SparkStageOperator, eval_operator, log_failure, train_operator
 from plugins.mft_airflow.params import param_specs
+from plugins.mft_airflow.report_task import DataReportOperator
 from plugins.mft_airflow.settings import load_settings
 from plugins.mft_airflow.tasks import publish, resolve
 

@@ -233,7 +233,7 @@ def test_run_note_is_set_through_the_connection_with_login(stack, monkeypatch):
     A user who may not edit runs, or a wrong password, leaves the note alone and says why."""
     import logging
 
-    from plugins.mft_airflow.gates import set_run_note
+    from plugins.mft_airflow.report_task import set_run_note
 
     run_id = "ui-trigger-1"  # test_rest_trigger_as_authenticated_user's run
     api = _api(stack, stack.token())

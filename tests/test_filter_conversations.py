@@ -129,25 +129,28 @@ def test_validation_cap_moves_whole_prompts_to_train(spark, tmp_path):
 # ------------------------------------------------------------------ the bundled sample, enrich -> filter
 @pytest.fixture(scope="module")
 def sample(spark, tmp_path_factory):
-    from spark_jobs.enrich import job as enrich
-    from spark_jobs.filter.job import run
+    from reports.sample_counts import run_sample
 
     root = tmp_path_factory.mktemp("sample")
-    cfg = load_config(env={}, overrides={
-        "pipeline": {"store_uri": uris.qualify(root / "store"), "staging_uri": uris.qualify(root / "staging")},
-        "enrich": {"spark_master": "local[2]", "shuffle_partitions": 2},
-        "filter": {"seq_len": 512, "max_tokens": 2048, "val_fraction": 0.2, "overflow": "truncate"},
-    })
-    enriched = uris.join(cfg.pipeline.store_uri, "enriched")
-    em = enrich.run(uris.qualify(SAMPLE), enriched, cfg, spark=spark)
-    out = uris.join(cfg.pipeline.store_uri, "train")
-    fm = run(enriched, out, cfg, spark=spark)
+    cfg, em, fm = run_sample(root, spark=spark)
+    enriched, out = uris.join(cfg.pipeline.store_uri, "enriched"), uris.join(cfg.pipeline.store_uri, "train")
     fetch_artifact(out, root / "fetched")
     fetch_artifact(enriched, root / "enriched-local")
     records = [r for p in sorted((SAMPLE / "data").glob("*.parquet")) for r in pq.read_table(p).to_pylist()]
     rejects = pq.read_table(root / "fetched" / "rejects").to_pylist()
     return SimpleNamespace(cfg=cfg, enrich=em, filter=fm, root=root, records=records,
                            rejects={r["id"]: r for r in rejects})
+
+
+def test_the_docs_sample_counts_are_this_runs(sample):
+    """README.md, sample_data/README.md and docs/enrich.md quote the sample's counts in a generated
+    block; a change of the sample or of a stage that moves a count fails here until
+    `python -m reports.sample_counts` re-writes them."""
+    from reports.sample_counts import DOCS, blocks, render
+
+    block = render(sample.enrich.counts, sample.filter.counts)
+    for doc in DOCS:
+        assert blocks(doc) == [block], f"{doc.relative_to(REPO)}: stale sample counts; run python -m reports.sample_counts"
 
 
 def test_sample_duplicate_expectations_hold_in_the_filter_output(sample):

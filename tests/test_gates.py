@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from plugins.mft_airflow.gates import NOTE_MAX_CHARS, approval_record, gate_text, run_note
+from plugins.mft_airflow.approval import approval_record, gate_text
+from plugins.mft_airflow.report_task import NOTE_MAX_CHARS, run_note
 from plugins.mft_airflow.run_plan import RunPlan
 
 PLAN = RunPlan(config_file="/tmp/cfg.yaml", dataset_version="20260101", run_id="r1", source_uri="s3://b/src",

@@ -1,6 +1,6 @@
 """Run a command so that its whole process tree dies with the Airflow task that started it.
 
-`python watchdog.py --parent PID --grace S -- cmd ...` (stdlib only; Linux).
+`python watchdog.py --parent PID --grace S -- cmd ...` (Linux; the process table through psutil).
 
 torchrun starts its ranks in process groups of their own, so neither killing the agent's group nor
 a parent-death signal on the agent reaches them: after a SIGKILLed task, orphaned ranks kept
@@ -21,54 +21,44 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def _proc_table() -> list[tuple[int, int, bool]]:
-    """(pid, ppid, is_zombie) of every process, from /proc."""
-    rows = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2:].split()
-        rows.append((int(entry), int(fields[1]), fields[0] == b"Z"))
-    return rows
+def _children(pid: int, recursive: bool) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=recursive)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def descendants(root: int) -> list[int]:
-    """Every live descendant of `root`."""
-    children: dict[int, list[int]] = {}
-    for pid, ppid, zombie in _proc_table():
-        if not zombie:
-            children.setdefault(ppid, []).append(pid)
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+    """Every live descendant of `root` (zombies left out: they are dead, only not yet reaped)."""
+    return [p.pid for p in _children(root, recursive=True) if _alive(p)]
 
 
 def _signal_all(pids: list[int], sig: int) -> None:
     for pid in pids:
         try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
+            psutil.Process(pid).send_signal(sig)
+        except psutil.NoSuchProcess:
             pass
 
 
 def _reap_orphans(keep: int) -> None:
     """Collect re-parented zombies, never the command itself (Popen must read its exit status)."""
-    me = os.getpid()
-    for pid, ppid, zombie in _proc_table():
-        if zombie and ppid == me and pid != keep:
+    for p in _children(os.getpid(), recursive=False):
+        if p.pid != keep and not _alive(p):
             try:
-                os.waitpid(pid, os.WNOHANG)
+                os.waitpid(p.pid, os.WNOHANG)
             except ChildProcessError:
                 pass
 
