@@ -20,7 +20,7 @@ One setup per process (the drivers ``bench/run_trainer_bench.sh`` (1 GPU) and
              reduce), fused AdamW, same kernel flags as hf_zero2 (torchtitan's recipe)
 
 ``--checkpoint`` (trainer): after the timed steps, one checkpoint save through the trainer's own
-``_save_checkpoint`` (the stall training sees: local save + barrier + queueing the upload), the
+``save_checkpoint`` (the stall training sees: local save + barrier + queueing the upload), the
 upload drained, then ``Trainer.resume`` from the store and one step after it.
 Packed rows also get document-aware FLOPs (training/flops.py, Σ len_d² attention credit) next to
 the published convention's full-row credit.
@@ -539,7 +539,7 @@ def setup_trainer(args, device: Device):
         trainer.resume(train.RunState(t0=time.time()))  # a fresh run: sets up metrics + uploader as fit needs
     engine = trainer.engine
     reference = reference_pass(trainer, device) if args.objective == "dpo" else None
-    batches = trainer._train_batches(0)
+    batches = trainer.train_batches(0)
     timer = InstructionTimer(engine, device)
 
     def step():
@@ -550,7 +550,7 @@ def setup_trainer(args, device: Device):
         torch.distributed.barrier()
         device.sync()
         t0 = time.perf_counter()
-        trainer._save_checkpoint(at, at * args.grad_accum)
+        trainer.save_checkpoint(at, at * args.grad_accum)
         device.sync()
         return time.perf_counter() - t0
 
@@ -590,7 +590,7 @@ def setup_trainer(args, device: Device):
         resume_s = time.perf_counter() - t2
         device.sync()
         t3 = time.perf_counter()
-        loss = engine.train_batch(data_iter=trainer._train_batches(state.position).next_step())
+        loss = engine.train_batch(data_iter=trainer.train_batches(state.position).next_step())
         device.sync()
         every = args.checkpoint_every
         return {"first_save_stall_s": first, "save_stall_s": stall, "upload_drain_s": upload, "resume_s": resume_s,

@@ -29,10 +29,10 @@ def main(rows_path: str, model_dir: str, stages: int, precision: str, out: str, 
     import torch.distributed as dist
 
     from pipeline_core.config import load_config
-    from training.kernels import main_grad_linears
+    from training.engine import build_engine, model_converters
     from training.loss import StepBatches
     from training.model import build_pipeline_module, pipe_layers, prepare_hf_config
-    from training.optim import bind_main_grads, build_ds_config, build_optimizer
+    from training.optim import build_ds_config
     from training.runtime import resolve_settings
     from training.weights import load_model_config, load_stage_weights
 
@@ -54,9 +54,7 @@ def main(rows_path: str, model_dir: str, stages: int, precision: str, out: str, 
         ds["zero_optimization"] = {"stage": 0}
     hf_cfg = prepare_hf_config(load_model_config(Path(model_dir)), "sdpa", data["seq_len"])
     pipe = build_pipeline_module(hf_cfg, num_stages=stages, attention_backend="sdpa")
-    load_stage_weights(pipe_layers(pipe), Path(model_dir))
-    wgrad = main_grad_linears(pipe) if settings.fused_wgrad else []
-    optimizer = build_optimizer(pipe, ds, torch.device("cpu"))
+    converters = model_converters(cfg.train, settings)  # the levers train.py applies for this config
     grads, held = {}, {}
     head = next((p for n, p in pipe.named_parameters() if n.endswith("lm_head.weight")), None)
 
@@ -70,12 +68,13 @@ def main(rows_path: str, model_dir: str, stages: int, precision: str, out: str, 
             grads["decoder"] = {n: bf16.fp32_groups_gradients[slot[id(p)][0]][slot[id(p)][1]].view(p.shape).clone()
                                 for n, p in pipe.named_parameters() if p.ndim == 2 and (".self_attn." in n or ".mlp." in n)}
 
-    optimizer.register_step_pre_hook(capture)
-    engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer,
-                                           config={k: v for k, v in ds.items() if k != "optimizer"})
+    built = build_engine(pipe, ds, torch.device("cpu"), converters,
+                         load_weights=lambda p: load_stage_weights(pipe_layers(p), Path(model_dir)))
+    built.optimizer.register_step_pre_hook(capture)  # the client optimizer: its step reads the gradients
+    engine = built.engine
     if type(engine.optimizer).__name__ == "BF16_Optimizer":
         held["bf16_optimizer"] = engine.optimizer
-    bound = bind_main_grads(engine.optimizer, wgrad) if wgrad else 0
+    bound = built.fast_paths.wgrad_fused_weights
     replica = engine.grid.get_data_parallel_rank()
     last = engine.is_last_stage()
 
