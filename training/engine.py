@@ -3,7 +3,7 @@
 The performance levers are model converters (torchtitan's ``ModelConverter`` pattern), chosen by
 config in one ordered list (``model_converters``): each rewrites the module before the weights load
 and the optimizer is built, and may finish its work on the engine's optimizer afterwards
-(``post_optimizer``). ``build_engine`` is the only ``deepspeed.initialize`` call in the tree: the
+(``post_optimizer``). ``build_engine`` is the only place DeepSpeed's engine is initialised: the
 trainer, DPO, the benchmarks and the test probes all use it, so what the tests check is what runs.
 """
 
@@ -152,14 +152,15 @@ class BuiltEngine:
     optimizer: Any  # the client optimizer (SkipNonFiniteAdamW unless one was passed)
     converters: list[ModelConverter]
     fast_paths: FastPaths
-    ds_config: dict[str, Any]  # what deepspeed.initialize was given
+    ds_config: dict[str, Any]  # the DeepSpeed config the engine was initialised with
     ckpt_writer: Any = None  # async_save.SnapshotCheckpointEngine when train.async_checkpoint
 
 
-def build_engine(pipe, ds_config: dict[str, Any], device: torch.device, converters: list[ModelConverter], *,
+def build_engine(module, ds_config: dict[str, Any], device: torch.device, converters: list[ModelConverter], *,
                  load_weights: Callable[[Any], Any] | None = None, optimizer=None,
                  async_checkpoint: bool = False) -> BuiltEngine:
-    """Convert ``pipe``, load its weights, build the optimizer from ``ds_config`` (unless given one),
+    """Convert ``module`` (a PipelineModule; the benchmark's ZeRO-2 peer passes its HF model, no
+    converters), load its weights, build the optimizer from ``ds_config`` (unless given one),
     initialise DeepSpeed (the client optimizer replaces the config's), finish the converters."""
     import deepspeed
 
@@ -167,13 +168,13 @@ def build_engine(pipe, ds_config: dict[str, Any], device: torch.device, converte
 
     paths = FastPaths()
     for c in converters:
-        c.convert(pipe, paths)
+        c.convert(module, paths)
     if load_weights is not None:
-        load_weights(pipe)
+        load_weights(module)
     if optimizer is None:
-        optimizer = build_optimizer(pipe, ds_config, device)
+        optimizer = build_optimizer(module, ds_config, device)
     ds = {k: v for k, v in ds_config.items() if k != "optimizer"}  # the client optimizer is used
-    engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=ds)
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=ds)
     writer = None
     if async_checkpoint:  # saves snapshot to host memory; files are written in the background
         from training.async_save import SnapshotCheckpointEngine, checkpoint_nbytes
