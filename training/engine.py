@@ -147,6 +147,25 @@ def model_converters(t: TrainSection, settings: Settings) -> list[ModelConverter
 
 
 @dataclass
+class EngineSpec:
+    """What an engine is built from for one config: the DeepSpeed config and the converter list."""
+
+    ds_config: dict[str, Any]
+    converters: list[ModelConverter]
+
+    @property
+    def converter_names(self) -> list[str]:
+        return [c.name for c in self.converters]
+
+
+def engine_spec(t: TrainSection, dp: int, settings: Settings) -> EngineSpec:
+    """The one derivation of both from ``train`` (train.py's plan and the test probes use it)."""
+    from training.optim import build_ds_config
+
+    return EngineSpec(build_ds_config(t, dp, settings), model_converters(t, settings))
+
+
+@dataclass
 class BuiltEngine:
     engine: Any  # deepspeed PipelineEngine
     optimizer: Any  # the client optimizer (SkipNonFiniteAdamW unless one was passed)

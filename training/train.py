@@ -47,7 +47,7 @@ from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo  # noqa: E402
 from training import base_model, dpo_train  # noqa: E402
 from training import checkpoints as ckpt  # noqa: E402
 from training.data import COLUMNS, MicroBatches, ShardSet, columns_for, split_files  # noqa: E402
-from training.engine import build_engine, model_converters  # noqa: E402
+from training.engine import ModelConverter, build_engine, engine_spec, model_converters  # noqa: E402
 from training.flops import ModelShape, flops_per_token  # noqa: E402
 from training.kernels import (  # noqa: E402
     check_attention_window,
@@ -69,7 +69,6 @@ from training.metrics import MetricsLog, peak_tflops, write_report  # noqa: E402
 from training.model import build_pipeline_module, pipe_layers, prepare_hf_config  # noqa: E402
 from training.optim import (  # noqa: E402
     OptimizerConfigError,
-    build_ds_config,
 )
 from training.runtime import Settings, resolve_settings  # noqa: E402
 from training.tracking import Tracker  # noqa: E402
@@ -107,6 +106,10 @@ class Plan:
     recompute_every: int = 1
     memory: StageMemory | None = None  # the fullest stage's estimate (GPU only)
     input_manifest: Any = None  # the train-ready artifact's manifest (its hashes and counts are tracked)
+
+    def converters(self) -> list[ModelConverter]:
+        """The performance levers this run's engine gets, in order (training/engine.py)."""
+        return model_converters(self.cfg.train, self.settings)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -197,7 +200,7 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
     # per attempt: a zombie attempt and its retry never share (or wipe) each other's files
     staging = uris.to_local_path(layout.staging_dir(cfg, "runs", run_id)) / "attempts" / attempt_id()
     try:
-        ds_config = build_ds_config(t, dp, settings)
+        ds_config = engine_spec(t, dp, settings).ds_config
     except OptimizerConfigError as e:
         raise TrainConfigError(str(e)) from None
     device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if on_gpu else None
@@ -446,7 +449,7 @@ class Trainer:
             loss_fn=dpo_train.make_loss(t) if self.dpo else None,
         )
         self.loss: TokenMeanLoss = pipe.loss_fn
-        built = build_engine(pipe, plan.ds_config, device, model_converters(t, self.settings),
+        built = build_engine(pipe, plan.ds_config, device, plan.converters(),
                              load_weights=self._load_weights, async_checkpoint=t.async_checkpoint)
         engine, self.engine, self.optimizer = built.engine, built.engine, built.optimizer
         self.fast_paths, self.ckpt_writer = built.fast_paths, built.ckpt_writer
