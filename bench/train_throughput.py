@@ -477,7 +477,7 @@ def setup_trainer(args, device: Device):
     trainer = train.Trainer(plan)
     trainer.setup(train.RunState(t0=time.time()))
     if args.checkpoint:
-        trainer.resume(train.RunState(t0=time.time()))  # a fresh run: sets up metrics + uploader as fit needs
+        trainer.resume(train.RunState(t0=time.time()))  # a fresh run: opens the metrics log save_checkpoint copies
     engine = trainer.engine
     reference = reference_pass(trainer, device) if args.objective == "dpo" else None
     batches = trainer.train_batches(0)

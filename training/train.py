@@ -47,7 +47,7 @@ from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo  # noqa: E402
 from training import base_model, dpo_train  # noqa: E402
 from training import checkpoints as ckpt  # noqa: E402
 from training.data import COLUMNS, MicroBatches, ShardSet, columns_for, split_files  # noqa: E402
-from training.engine import ModelConverter, build_engine, engine_spec, model_converters  # noqa: E402
+from training.engine import FastPaths, ModelConverter, build_engine, engine_spec, model_converters  # noqa: E402
 from training.flops import ModelShape, flops_per_token  # noqa: E402
 from training.kernels import (  # noqa: E402
     check_attention_window,
@@ -396,6 +396,22 @@ class Trainer:
         self.dpo = self.t.objective == "dpo"
         self.reference: dict[str, np.ndarray] = {}  # objective dpo: per split, [rows, 2] reference log-probs
         self.reference_summary: dict[str, Any] = {}
+        # Everything a run holds, declared here: setup() builds the engine side (and the uploader,
+        # the parity probe); resume() loads the checkpoint and opens the metrics log it restores.
+        self.io_group: Any = None
+        self.model_dir: Path | None = None
+        self.engine: Any = None
+        self.optimizer: Any = None
+        self.loss: TokenMeanLoss | None = None
+        self.fast_paths: FastPaths | None = None
+        self.ckpt_writer: Any = None
+        self.role: Role | None = None
+        self.val_files: list[Path] = []
+        self.uploader: ckpt.CheckpointUploader | None = None  # rank 0
+        self.probe: dict[str, torch.Tensor] | None = None  # train.verify_parity: a fixed micro-batch
+        self.report_dir = plan.staging / "report" / "data"
+        self.metrics: MetricsLog | None = None  # rank 0, opened by resume() from the restored CSVs
+        self.tracker: Tracker | None = None
 
     def run(self) -> int:
         import torch.distributed as dist
@@ -458,6 +474,12 @@ class Trainer:
                          dp_rank=engine.grid.get_data_parallel_rank(),
                          dp_size=engine.grid.get_data_parallel_world_size(), device=device)
         self.val_files = split_files(plan.staging / "input", "val")
+        self.probe = self._probe() if t.verify_parity else None
+        if self.role.is_rank0:
+            self.uploader = ckpt.CheckpointUploader(
+                plan.run_uri, self.storage,
+                ckpt.PushPolicy(t.keep_last, t.max_failed_pushes, t.max_pending_pushes, t.push_backoff_s),
+                config=self.cfg.model_dump(mode="json"), inputs=[plan.input_uri], key=self.ckpt_key, lease=self.lease)
         state.summary.update(run=plan.run_uri, input=plan.input_uri, precision=self.settings.precision,
                              attention_backend=self.settings.attention_backend,
                              fast_kernels=self.settings.fast_kernels,
@@ -535,9 +557,6 @@ class Trainer:
         state.restored = restored
         state.summary["resumed_from_step"] = state.start_step
 
-        self.metrics = None
-        self.tracker = None
-        self.report_dir = plan.staging / "report" / "data"
         if role.is_rank0:
             self.report_dir.mkdir(parents=True, exist_ok=True)
             csv_path = self.report_dir / "metrics.csv"
@@ -554,14 +573,6 @@ class Trainer:
                     self.tracker.log_manifest("train_ready", plan.input_manifest)
             self.metrics = MetricsLog(csv_path, self.report_dir / "tensorboard", self.tracker)
             self.metrics.truncate(state.start_step)
-
-        self.uploader = None
-        if role.is_rank0:
-            t = self.t
-            self.uploader = ckpt.CheckpointUploader(
-                plan.run_uri, self.storage,
-                ckpt.PushPolicy(t.keep_last, t.max_failed_pushes, t.max_pending_pushes, t.push_backoff_s),
-                config=self.cfg.model_dump(mode="json"), inputs=[plan.input_uri], key=self.ckpt_key, lease=self.lease)
 
     # ---------------------------------------------------------------- fit
     def train_batches(self, position: int) -> StepBatches:
@@ -593,10 +604,8 @@ class Trainer:
                       if role.has_data and (f := split_files(plan.staging / "input", s))}
             self.reference = dpo_train.ensure_reference(self, splits, resumed=state.restored is not None)
             state.summary.update(self.reference_summary)
-        probe = self._probe() if t.verify_parity else None
-        self.probe = probe
         if t.verify_parity and state.restored is None:
-            diff = gather_value(logits_vs_hf(engine, probe, self.model_dir, self.dtype))
+            diff = gather_value(logits_vs_hf(engine, self.probe, self.model_dir, self.dtype))
             state.summary["parity_base_max_abs_diff"] = diff
             log.info("parity vs transformers (base model): max |diff| = %.3g", diff)
             self._check_parity(diff, "base model")
