@@ -408,7 +408,7 @@ def run_pipeline(out_dir: Path, steps: int, attention: str, kernels: str) -> boo
     from transformers import MistralForCausalLM
 
     from bench.train_throughput import RepeatingBatches, make_micro_batches
-    from training.kernels import apply_fast_kernels
+    from training.engine import FastKernels, build_engine
     from training.loss import StepBatches
     from training.model import build_pipeline_module, causal_lm_loss, pipe_layers
     from training.weights import load_stage_weights
@@ -434,13 +434,11 @@ def run_pipeline(out_dir: Path, steps: int, attention: str, kernels: str) -> boo
         module = build_pipeline_module(cfg, num_stages=2, attention_backend=attention, device=dev)
     finally:
         torch.set_default_dtype(old)
-    apply_fast_kernels(kernels, module, loss=module.loss_fn)
-    load_stage_weights(pipe_layers(module), model_dir)
     ds_config = {"train_micro_batch_size_per_gpu": mb, "gradient_accumulation_steps": m, "bf16": {"enabled": True},
                  "zero_optimization": {"stage": 1}, "gradient_clipping": 1.0, "steps_per_print": 10**9}
-    params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=2e-3, fused=cuda or None)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, model_parameters=params, config=ds_config)
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=2e-3, fused=cuda or None)
+    engine = build_engine(module, ds_config, dev, [FastKernels(kernels, in_layers=True)], optimizer=opt,
+                          load_weights=lambda m: load_stage_weights(pipe_layers(m), model_dir)).engine
 
     batches = make_micro_batches(n=m, micro_batch=mb, seq_len=seq, vocab=cfg.vocab_size, docs="packed", seed=7)
 

@@ -29,9 +29,10 @@ row() {  # row NAME TIMEOUT_S LAUNCHER ARGS...
   return 0
 }
 
-pipe() {  # pipe NAME TIMEOUT_S ARGS...   (the project's trainer, 2 stages)
+pipe() {  # pipe NAME TIMEOUT_S ARGS...   (the project's trainer, 2 stages, its one engine builder;
+  # the hand-built `--setup pipeline` engine of the 2026-11-30 rows in bench/RESULTS.md is gone)
   local name=$1 limit=$2; shift 2
-  row "$name" "$limit" $TR $T --setup pipeline --stages 2 "$@"
+  row "$name" "$limit" $TR $T --setup trainer --stages 2 "$@"
 }
 
 phases=${*:-checks baselines best repeat causal levers levers2 extra}

@@ -6,8 +6,6 @@ One setup per process (the drivers ``bench/run_trainer_bench.sh`` (1 GPU) and
   trainer    what users run: training/train.py's own Trainer.setup (plan, engine, client AdamW,
              token-mean loss, fast kernels, fp32 gradient accumulation) and its data loader over a
              real train-ready artifact written first; the steps are timed here
-  pipeline   the project's PipelineModule with a hand-built engine (the earlier harness; kept for
-             the 2-GPU levers)
   hf_single  plain PyTorch on one GPU: HF MistralForCausalLM, fused AdamW, gradient accumulation;
              ``--master fp32`` keeps fp32 weights under bf16 autocast, ``--hf-liger`` adds Liger,
              ``--sliding-window none`` keeps SDPA on its flash kernel
@@ -20,7 +18,7 @@ One setup per process (the drivers ``bench/run_trainer_bench.sh`` (1 GPU) and
              reduce), fused AdamW, same kernel flags as hf_zero2 (torchtitan's recipe)
 
 ``--checkpoint`` (trainer): after the timed steps, one checkpoint save through the trainer's own
-``_save_checkpoint`` (the stall training sees: local save + barrier + queueing the upload), the
+``save_checkpoint`` (the stall training sees: local save + barrier + queueing the upload), the
 upload drained, then ``Trainer.resume`` from the store and one step after it.
 Packed rows also get document-aware FLOPs (training/flops.py, Σ len_d² attention credit) next to
 the published convention's full-row credit.
@@ -60,7 +58,7 @@ from bench.power import PowerMeter  # noqa: E402
 from training import flops  # noqa: E402
 from training.fp8 import FP8_RECIPES  # noqa: E402
 
-SETUPS = ("trainer", "pipeline", "hf_single", "hf_zero2", "fsdp2")
+SETUPS = ("trainer", "hf_single", "hf_zero2", "fsdp2")
 
 
 # ----------------------------------------------------------------------------- config / data
@@ -276,7 +274,7 @@ def setup_hf_single(args, device: Device):
 
 
 def setup_hf_zero2(args, device: Device):
-    import deepspeed
+    from training.engine import build_engine
 
     model, cfg = build_hf_model(args, device)
     world = torch.distributed.get_world_size()
@@ -290,7 +288,7 @@ def setup_hf_zero2(args, device: Device):
         "steps_per_print": 10**9,
     }
     opt = adamw(model.parameters(), device)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+    engine = build_engine(model, ds_config, device.torch_device, [], optimizer=opt).engine
     rank = torch.distributed.get_rank()
     batches = cycled_batches(args, device, cfg.vocab_size, seed=args.seed + rank)
 
@@ -367,63 +365,6 @@ class RepeatingBatches:
         item = self.items[self.i % len(self.items)]
         self.i += 1
         return item
-
-
-def setup_pipeline(args, device: Device):
-    import deepspeed
-
-    from training.kernels import apply_fast_kernels, register_attention
-    from training.loss import StepBatches
-    from training.model import build_pipeline_module, prepare_hf_config
-
-    world = torch.distributed.get_world_size()
-    if world % args.stages:
-        raise ValueError(f"--stages={args.stages} does not divide the world size {world}")
-    base = mistral_config(args.model, args.seq_len, layers=args.layers)
-    register_attention(args.attention)
-    cfg = prepare_hf_config(base, args.attention, args.seq_len)
-    torch.manual_seed(args.seed)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        module = build_pipeline_module(
-            cfg, num_stages=args.stages, partition_method=args.partition, attention_backend=args.attention,
-            activation_checkpoint_interval=args.act_ckpt, device=device.torch_device,
-        )
-    finally:
-        torch.set_default_dtype(old)
-    apply_fast_kernels(args.kernels, module, loss=module.loss_fn)
-    ds_config = {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
-        "gradient_accumulation_steps": args.grad_accum,
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 1},
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10**9,
-        "pipeline": {"activation_checkpoint_interval": args.act_ckpt},
-    }
-    params = [p for p in module.parameters() if p.requires_grad]
-    opt = adamw(params, device)
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, model_parameters=params, config=ds_config)
-    timer = InstructionTimer(engine, device)
-    batches = make_micro_batches(n=8, micro_batch=args.micro_batch, seq_len=args.seq_len, vocab=cfg.vocab_size,
-                                 docs=args.docs, seed=args.seed + engine.grid.data_parallel_id)
-    data = StepBatches(RepeatingBatches(batches, pin=device.cuda), module.loss_fn if engine.is_last_stage() else None,
-                       micro_batches=args.grad_accum, dp_size=world // args.stages,
-                       dp_group=engine.grid.get_data_parallel_group(), device=device.torch_device)
-
-    def step():
-        return engine.train_batch(data_iter=data.next_step())
-
-    dp = world // args.stages
-    tokens_per_step = args.micro_batch * args.grad_accum * args.seq_len * dp
-    extra = {
-        "stage": engine.stage_id,
-        "analytic_bubble": analytic_bubble(args.stages, args.grad_accum),
-        "layers_on_stage": sum(1 for m in module.modules() if type(m).__name__ == "DecoderLayerPipe"),
-        "params_on_stage": sum(p.numel() for p in module.parameters()),
-    }
-    return step, tokens_per_step, cfg, {**ds_config, "extra": extra}, timer
 
 
 def write_train_ready(root: Path, *, seq_len: int, rows: int, vocab: int, docs: str, seed: int,
@@ -536,10 +477,10 @@ def setup_trainer(args, device: Device):
     trainer = train.Trainer(plan)
     trainer.setup(train.RunState(t0=time.time()))
     if args.checkpoint:
-        trainer.resume(train.RunState(t0=time.time()))  # a fresh run: sets up metrics + uploader as fit needs
+        trainer.resume(train.RunState(t0=time.time()))  # a fresh run: opens the metrics log save_checkpoint copies
     engine = trainer.engine
     reference = reference_pass(trainer, device) if args.objective == "dpo" else None
-    batches = trainer._train_batches(0)
+    batches = trainer.train_batches(0)
     timer = InstructionTimer(engine, device)
 
     def step():
@@ -550,7 +491,7 @@ def setup_trainer(args, device: Device):
         torch.distributed.barrier()
         device.sync()
         t0 = time.perf_counter()
-        trainer._save_checkpoint(at, at * args.grad_accum)
+        trainer.save_checkpoint(at, at * args.grad_accum)
         device.sync()
         return time.perf_counter() - t0
 
@@ -590,7 +531,7 @@ def setup_trainer(args, device: Device):
         resume_s = time.perf_counter() - t2
         device.sync()
         t3 = time.perf_counter()
-        loss = engine.train_batch(data_iter=trainer._train_batches(state.position).next_step())
+        loss = engine.train_batch(data_iter=trainer.train_batches(state.position).next_step())
         device.sync()
         every = args.checkpoint_every
         return {"first_save_stall_s": first, "save_stall_s": stall, "upload_drain_s": upload, "resume_s": resume_s,
@@ -680,15 +621,14 @@ def parse_args(argv=None):
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (pipeline: m)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (trainer: m)")
     p.add_argument("--docs", choices=("packed", "causal", "pairs"), default="packed",
                    help="pairs: two documents per row (a DPO pair's chosen and rejected sides)")
     p.add_argument("--objective", choices=("sft", "dpo"), default="sft", help="trainer: train.objective")
     p.add_argument("--stages", type=int, default=2)
-    p.add_argument("--partition", default="type:DecoderLayerPipe")
-    p.add_argument("--attention", default="torch_varlen", help="pipeline attention backend")
+    p.add_argument("--attention", default="torch_varlen", help="trainer attention backend")
     p.add_argument("--kernels", choices=("auto", "none", "liger"), default="none")
-    p.add_argument("--act-ckpt", type=int, default=0, help="pipeline: checkpoint interval; HF: 0/1")
+    p.add_argument("--act-ckpt", type=int, default=0, help="trainer: checkpoint interval; HF: 0/1")
     p.add_argument("--recompute", default="none", choices=("auto", "none", "full", "attention", "mlp", "every_n"),
                    help="trainer: train.recompute (auto: training/memory.py's rule)")
     p.add_argument("--recompute-every", type=int, default=2, help="trainer: train.recompute_every")
@@ -747,12 +687,12 @@ def init_distributed(device: Device, setup: str) -> None:
 def run(args) -> dict | None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = Device(args.device, local_rank)
-    distributed = args.setup in ("trainer", "pipeline", "hf_zero2", "fsdp2")
+    distributed = args.setup in ("trainer", "hf_zero2", "fsdp2")
     if distributed:
         init_distributed(device, args.setup)
     rank = torch.distributed.get_rank() if distributed else 0
     t_setup = time.perf_counter()
-    builder = {"trainer": setup_trainer, "pipeline": setup_pipeline, "hf_single": setup_hf_single,
+    builder = {"trainer": setup_trainer, "hf_single": setup_hf_single,
                "hf_zero2": setup_hf_zero2, "fsdp2": setup_fsdp2}[args.setup]
     step, tokens_per_step, cfg, settings, timer = builder(args, device)
     setup_s = time.perf_counter() - t_setup

@@ -1,6 +1,6 @@
 """A trainer's checkpoint pushing without the model, for tests that need it in a real process of
 its own (SIGSTOP/SIGCONT): `python -m tests.checkpoint_probe RUN_URI ENDPOINT STAGING ATTEMPT TTL`
-takes the run lease as ATTEMPT, saves step 2 the way Trainer._save_checkpoint leaves it on disk and
+takes the run lease as ATTEMPT, saves step 2 the way Trainer.save_checkpoint leaves it on disk and
 pushes it with the trainer's uploader (fenced by the lease). Exit status: 0 pushed, 3 LeaseLost,
 1 anything else. `save_fake_checkpoint` is also what tests/test_checkpoint_faults.py saves."""
 
@@ -16,7 +16,7 @@ KEY = b"test-signing-key-0123456789abcdef"
 
 
 def save_fake_checkpoint(staging: Path, attempt: str, step: int, world: int = 2, salt: bytes = b"") -> Path:
-    """What Trainer._save_checkpoint leaves on disk: the DeepSpeed tag dir with every rank's files."""
+    """What Trainer.save_checkpoint leaves on disk: the DeepSpeed tag dir with every rank's files."""
     local = staging / "attempts" / attempt / "checkpoints" / f"step-{step}"
     tag = local / ckpt.TAG
     tag.mkdir(parents=True)

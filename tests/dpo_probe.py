@@ -31,9 +31,9 @@ def main(data_dir: str, model_dir: str, stages: int, out: str, options: str) -> 
     from training import dpo_train
     from training.data import ShardSet, columns_for, split_files
     from training.dpo_data import PairMicroBatches
+    from training.engine import build_engine, engine_spec
     from training.loss import StepBatches
     from training.model import build_pipeline_module, pipe_layers, prepare_hf_config
-    from training.optim import build_ds_config, build_optimizer
     from training.runtime import resolve_settings
     from training.weights import load_model_config, load_stage_weights
 
@@ -53,15 +53,13 @@ def main(data_dir: str, model_dir: str, stages: int, out: str, options: str) -> 
                       "label_smoothing": opts.get("label_smoothing", 0.0)},
     })
     t = cfg.train
-    ds = build_ds_config(t, dp, resolve_settings(t, on_gpu=False))
+    spec = engine_spec(t, dp, resolve_settings(t, on_gpu=False))  # train.py's, for this config
+    ds = spec.ds_config
     ds["zero_optimization"] = {"stage": 0}
     hf_cfg = prepare_hf_config(load_model_config(Path(model_dir)), "sdpa", seq)
     pipe = build_pipeline_module(hf_cfg, num_stages=stages, attention_backend="sdpa", loss_fn=dpo_train.make_loss(t))
-    dpo_train.use_hidden_states(pipe)
-    load_stage_weights(pipe_layers(pipe), Path(model_dir))
-    optimizer = build_optimizer(pipe, ds, torch.device("cpu"))
-    engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer,
-                                           config={k: v for k, v in ds.items() if k != "optimizer"})
+    engine = build_engine(pipe, ds, torch.device("cpu"), spec.converters,  # dpo: hidden states
+                          load_weights=lambda p: load_stage_weights(pipe_layers(p), Path(model_dir))).engine
     first, last = engine.is_first_stage(), engine.is_last_stage()
     role = SimpleNamespace(first=first, last=last, has_data=first or last, dp_rank=engine.grid.get_data_parallel_rank(),
                            dp_size=dp, device=torch.device("cpu"))

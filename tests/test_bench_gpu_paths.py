@@ -360,20 +360,20 @@ def test_benchmark_dry_run_single_process(tmp_path):
 
 
 def test_benchmark_rejects_invalid_parameters_before_compute():
-    cmd = [sys.executable, "bench/train_throughput.py", "--setup", "pipeline", "--model", "7b", "--device", "cpu"]
+    cmd = [sys.executable, "bench/train_throughput.py", "--setup", "trainer", "--model", "7b", "--device", "cpu"]
     proc = subprocess.run(cmd, cwd=REPO, env=bench_env(), timeout=120, capture_output=True, text=True)
     assert proc.returncode == 2 and "--model 7b needs --device cuda" in proc.stderr
 
 
 @pytest.mark.slow
-def test_benchmark_dry_run_pipeline_two_stages(tmp_path):
-    """The project's pipeline through the benchmark on 2 CPU ranks (gloo): instruction timing,
-    bubble accounting and per-stage layout reach the result."""
+def test_benchmark_dry_run_trainer_two_stages(tmp_path):
+    """The trainer's engine (training/engine.py, through Trainer.setup) in the benchmark on 2 CPU
+    ranks (gloo): instruction timing, bubble accounting and per-stage layout reach the result."""
     out = tmp_path / "pipe.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "bench/train_throughput.py", "--setup", "pipeline", "--model", "tiny", "--device", "cpu",
+           "bench/train_throughput.py", "--setup", "trainer", "--stages", "2", "--model", "tiny", "--device", "cpu",
            "--seq-len", "128", "--micro-batch", "1", "--grad-accum", "4", "--attention", "sdpa",
-           "--warmup", "1", "--steps", "2", "--out", str(out)]
+           "--work", str(tmp_path / "work"), "--warmup", "1", "--steps", "2", "--out", str(out)]
     subprocess.run(cmd, cwd=REPO, env=bench_env(), check=True, timeout=600, capture_output=True)
     r = json.loads(out.read_text())
     assert r["stage_of_rank"] == [0, 1] and r["layers_on_stage"] == [2, 2]

@@ -156,3 +156,32 @@ def test_the_export_carries_the_training_chat_template(tiny, tmp_path):
     tok = AutoTokenizer.from_pretrained(str(out))
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert text == "[user] hi\n"
+
+
+# ----------------------------------------------------------------------------- one engine builder
+@pytest.mark.parametrize("precision,options", [
+    ("fp32", {}),
+    ("bf16", {}),  # fused fp32 accumulation and wgrad fusion: the levers the probe once lacked
+    ("bf16", {"fused_wgrad_accumulation": False, "fused_grad_accumulation": False}),
+    ("bf16", {"compile_layers": True}),
+])
+def test_the_loss_probe_builds_the_engine_train_py_builds(tiny, tmp_path, precision, options):
+    """tests/training_loss_probe.py checks what users run: for the same config, its DeepSpeed
+    config equals train.py's but for the keys it declares (PROBE_DS_CHANGES), and it gets the same
+    ordered converter list (a lever applied by one path only fails here)."""
+    from tests import training_loss_probe as probe
+
+    _, store, model = tiny
+    v1 = _ready(tmp_path, store, TokenizerSpec(name="mistral-v1", vocab_size=32000, bos_id=1, eos_id=2))
+    cfg = probe.probe_config(2, 64, 4, precision, options)
+    spec, _ = probe.probe_engine_spec(cfg, dp=1)
+    tmp, _, _ = tiny
+    cfg = cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={
+        "store_uri": store, "staging_uri": uris.qualify(tmp / "staging")})})
+    cfg.train.base_model = str(model)
+    plan = train.make_plan(cfg, v1, uris.join(store, "runs", "r"), world_size=2, on_gpu=False)
+    assert spec.converter_names == [c.name for c in plan.converters()]
+    assert ({k: v for k, v in spec.ds_config.items() if k not in probe.PROBE_DS_CHANGES}
+            == {k: v for k, v in plan.ds_config.items() if k not in probe.PROBE_DS_CHANGES})
+    if precision == "bf16" and not options:
+        assert spec.converter_names == ["fused_hp_grad_accumulation", "wgrad_fusion"]

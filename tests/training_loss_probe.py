@@ -24,16 +24,45 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+# What the probe changes in the DeepSpeed config train.py would use, and why (nothing else may differ:
+# tests/test_training_runtime.py::test_the_loss_probe_builds_the_engine_train_py_builds):
+#   gradient_clipping 0: the test compares raw gradients;
+#   zero_optimization stage 0 under fp32: ZeRO-1 would hand the optimizer flat partitions, not the
+#   head's own .grad.
+PROBE_DS_CHANGES = ("gradient_clipping", "zero_optimization")
+
+
+def probe_config(stages: int, seq_len: int, micro_batches: int, precision: str, options: dict):
+    from pipeline_core.config import load_config
+
+    return load_config(overrides={
+        "train.pipeline_stages": stages, "train.seq_len": seq_len, "train.micro_batch_size": 1,
+        "train.gradient_accumulation_steps": micro_batches, "train.precision": precision,
+        "train.learning_rate": 1e-3, "train.warmup_steps": 1, "train.steps": 1,
+        **{f"train.{k}": v for k, v in options.items()},
+    })
+
+
+def probe_engine_spec(cfg, dp: int):
+    """train.py's engine spec for ``cfg`` (training/engine.py), with PROBE_DS_CHANGES applied."""
+    from training.engine import engine_spec
+    from training.runtime import resolve_settings
+
+    settings = resolve_settings(cfg.train, on_gpu=False)
+    spec = engine_spec(cfg.train, dp, settings)
+    spec.ds_config["gradient_clipping"] = 0.0
+    if settings.precision == "fp32":
+        spec.ds_config["zero_optimization"] = {"stage": 0}
+    return spec, settings
+
+
 def main(rows_path: str, model_dir: str, stages: int, precision: str, out: str, options: str = "{}") -> None:
     import deepspeed
     import torch.distributed as dist
 
-    from pipeline_core.config import load_config
-    from training.kernels import main_grad_linears
+    from training.engine import build_engine
     from training.loss import StepBatches
     from training.model import build_pipeline_module, pipe_layers, prepare_hf_config
-    from training.optim import bind_main_grads, build_ds_config, build_optimizer
-    from training.runtime import resolve_settings
     from training.weights import load_model_config, load_stage_weights
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -41,22 +70,11 @@ def main(rows_path: str, model_dir: str, stages: int, precision: str, out: str, 
     data = torch.load(rows_path)
     per_replica = data["per_replica"]
     dp = world // stages
-    cfg = load_config(overrides={
-        "train.pipeline_stages": stages, "train.seq_len": data["seq_len"], "train.micro_batch_size": 1,
-        "train.gradient_accumulation_steps": len(per_replica[0]), "train.precision": precision,
-        "train.learning_rate": 1e-3, "train.warmup_steps": 1, "train.steps": 1,
-        **{f"train.{k}": v for k, v in json.loads(options).items()},
-    })
-    settings = resolve_settings(cfg.train, on_gpu=False)
-    ds = build_ds_config(cfg.train, dp, settings)
-    ds["gradient_clipping"] = 0.0  # the test compares raw gradients
-    if precision == "fp32":  # ZeRO-1 would hand the optimizer flat partitions, not the head's own .grad
-        ds["zero_optimization"] = {"stage": 0}
+    cfg = probe_config(stages, data["seq_len"], len(per_replica[0]), precision, json.loads(options))
+    spec, settings = probe_engine_spec(cfg, dp)
+    ds = spec.ds_config
     hf_cfg = prepare_hf_config(load_model_config(Path(model_dir)), "sdpa", data["seq_len"])
     pipe = build_pipeline_module(hf_cfg, num_stages=stages, attention_backend="sdpa")
-    load_stage_weights(pipe_layers(pipe), Path(model_dir))
-    wgrad = main_grad_linears(pipe) if settings.fused_wgrad else []
-    optimizer = build_optimizer(pipe, ds, torch.device("cpu"))
     grads, held = {}, {}
     head = next((p for n, p in pipe.named_parameters() if n.endswith("lm_head.weight")), None)
 
@@ -70,12 +88,13 @@ def main(rows_path: str, model_dir: str, stages: int, precision: str, out: str, 
             grads["decoder"] = {n: bf16.fp32_groups_gradients[slot[id(p)][0]][slot[id(p)][1]].view(p.shape).clone()
                                 for n, p in pipe.named_parameters() if p.ndim == 2 and (".self_attn." in n or ".mlp." in n)}
 
-    optimizer.register_step_pre_hook(capture)
-    engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer,
-                                           config={k: v for k, v in ds.items() if k != "optimizer"})
+    built = build_engine(pipe, ds, torch.device("cpu"), spec.converters,
+                         load_weights=lambda p: load_stage_weights(pipe_layers(p), Path(model_dir)))
+    built.optimizer.register_step_pre_hook(capture)  # the client optimizer: its step reads the gradients
+    engine = built.engine
     if type(engine.optimizer).__name__ == "BF16_Optimizer":
         held["bf16_optimizer"] = engine.optimizer
-    bound = bind_main_grads(engine.optimizer, wgrad) if wgrad else 0
+    bound = built.fast_paths.wgrad_fused_weights
     replica = engine.grid.get_data_parallel_rank()
     last = engine.is_last_stage()
 

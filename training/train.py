@@ -47,13 +47,10 @@ from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo  # noqa: E402
 from training import base_model, dpo_train  # noqa: E402
 from training import checkpoints as ckpt  # noqa: E402
 from training.data import COLUMNS, MicroBatches, ShardSet, columns_for, split_files  # noqa: E402
+from training.engine import FastPaths, ModelConverter, build_engine, engine_spec, model_converters  # noqa: E402
 from training.flops import ModelShape, flops_per_token  # noqa: E402
 from training.kernels import (  # noqa: E402
-    apply_fast_kernels,
     check_attention_window,
-    compile_decoder_layers,
-    convert_fp8,
-    main_grad_linears,
     register_attention,
 )
 from training.lease import RunLease, attempt_id  # noqa: E402
@@ -72,10 +69,6 @@ from training.metrics import MetricsLog, peak_tflops, write_report  # noqa: E402
 from training.model import build_pipeline_module, pipe_layers, prepare_hf_config  # noqa: E402
 from training.optim import (  # noqa: E402
     OptimizerConfigError,
-    bind_main_grads,
-    build_ds_config,
-    build_optimizer,
-    fuse_hp_grad_accumulation,
 )
 from training.runtime import Settings, resolve_settings  # noqa: E402
 from training.tracking import Tracker  # noqa: E402
@@ -113,6 +106,10 @@ class Plan:
     recompute_every: int = 1
     memory: StageMemory | None = None  # the fullest stage's estimate (GPU only)
     input_manifest: Any = None  # the train-ready artifact's manifest (its hashes and counts are tracked)
+
+    def converters(self) -> list[ModelConverter]:
+        """The performance levers this run's engine gets, in order (training/engine.py)."""
+        return model_converters(self.cfg.train, self.settings)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -203,7 +200,7 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
     # per attempt: a zombie attempt and its retry never share (or wipe) each other's files
     staging = uris.to_local_path(layout.staging_dir(cfg, "runs", run_id)) / "attempts" / attempt_id()
     try:
-        ds_config = build_ds_config(t, dp, settings)
+        ds_config = engine_spec(t, dp, settings).ds_config
     except OptimizerConfigError as e:
         raise TrainConfigError(str(e)) from None
     device_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory if on_gpu else None
@@ -375,14 +372,6 @@ class BadSteps:
 
 
 @dataclass
-class FastPaths:
-    """What the optional fast paths changed on this stage (logged, in the summary, read by bench/)."""
-
-    fp8_linears: int = 0  # linear layers converted to float8 (train.fp8)
-    wgrad_fused_weights: int = 0  # weights whose wgrad GEMM accumulates into the fp32 buffer
-
-
-@dataclass
 class RunState:
     """What the phases hand each other."""
 
@@ -407,6 +396,22 @@ class Trainer:
         self.dpo = self.t.objective == "dpo"
         self.reference: dict[str, np.ndarray] = {}  # objective dpo: per split, [rows, 2] reference log-probs
         self.reference_summary: dict[str, Any] = {}
+        # Everything a run holds, declared here: setup() builds the engine side (and the uploader,
+        # the parity probe); resume() loads the checkpoint and opens the metrics log it restores.
+        self.io_group: Any = None
+        self.model_dir: Path | None = None
+        self.engine: Any = None
+        self.optimizer: Any = None
+        self.loss: TokenMeanLoss | None = None
+        self.fast_paths: FastPaths | None = None
+        self.ckpt_writer: Any = None
+        self.role: Role | None = None
+        self.val_files: list[Path] = []
+        self.uploader: ckpt.CheckpointUploader | None = None  # rank 0
+        self.probe: dict[str, torch.Tensor] | None = None  # train.verify_parity: a fixed micro-batch
+        self.report_dir = plan.staging / "report" / "data"
+        self.metrics: MetricsLog | None = None  # rank 0, opened by resume() from the restored CSVs
+        self.tracker: Tracker | None = None
 
     def run(self) -> int:
         import torch.distributed as dist
@@ -426,8 +431,6 @@ class Trainer:
     def setup(self, state: RunState) -> None:
         import deepspeed
         import torch.distributed as dist
-
-        from training.weights import load_stage_weights
 
         plan, t = self.plan, self.t
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -462,47 +465,21 @@ class Trainer:
             loss_fn=dpo_train.make_loss(t) if self.dpo else None,
         )
         self.loss: TokenMeanLoss = pipe.loss_fn
-        swapped = apply_fast_kernels(self.settings.fast_kernels, pipe, loss=self.loss, in_layers=not t.compile_layers)
-        if swapped:
-            log.info("stage %d: fast kernels %s: %s", pipe.stage_id, self.settings.fast_kernels, swapped)
-        if self.dpo:  # per-document log-probs from hidden states, no logits (the fused-loss seam)
-            dpo_train.use_hidden_states(pipe)
-        self.fast_paths = FastPaths()
-        if t.fp8 != "off":  # before compiling: the compiled graph fuses the float8 casts
-            self.fast_paths.fp8_linears = convert_fp8(t.fp8, pipe)
-            log.info("stage %d: %d linear layers in float8 (%s scaling)", pipe.stage_id,
-                     self.fast_paths.fp8_linears, t.fp8)
-        if t.compile_layers:
-            log.info("stage %d: %d decoder layers compiled (one shared graph)", pipe.stage_id,
-                     compile_decoder_layers(pipe))
-        wgrad_weights = main_grad_linears(pipe) if self.settings.fused_wgrad else []
-        n = load_stage_weights(pipe_layers(pipe), self.model_dir)
-        log.info("stage %d: loaded %d base tensors from %s", pipe.stage_id, n, self.model_dir)
-        optimizer = build_optimizer(pipe, plan.ds_config, device)
-        ds = {k: v for k, v in plan.ds_config.items() if k != "optimizer"}  # the client optimizer is used
-        engine, _, _, _ = deepspeed.initialize(model=pipe, optimizer=optimizer, config=ds)
-        self.engine, self.optimizer = engine, optimizer
-        self.ckpt_writer = None
-        if t.async_checkpoint:  # saves snapshot to host memory; files are written in the background
-            from training.async_save import SnapshotCheckpointEngine, checkpoint_nbytes
-
-            self.ckpt_writer = SnapshotCheckpointEngine(engine._config, pin_memory=device.type == "cuda")
-            engine.checkpoint_engine = self.ckpt_writer
-            # page-lock the snapshot's host memory now, in the background, not in the first save's stall
-            self.ckpt_writer.reserve(checkpoint_nbytes(engine.module, engine.optimizer))
-        if t.fused_grad_accumulation and self.settings.bf16 and t.grad_accum_dtype == "fp32":
-            fused = fuse_hp_grad_accumulation(engine.optimizer)
-            log.info("fp32 gradient accumulation: immediate, %s", "one mixed-dtype add per parameter" if fused
-                     else "DeepSpeed's own add (its BF16 optimizer is not the one the fused add was written for)")
-        if wgrad_weights:
-            bound = self.fast_paths.wgrad_fused_weights = bind_main_grads(engine.optimizer, wgrad_weights)
-            log.info("weight-gradient GEMMs accumulate into the fp32 buffer: %d of %d linear weights%s", bound,
-                     len(wgrad_weights), "" if bound else " (not DeepSpeed's BF16 optimizer: plain linear layers)")
+        built = build_engine(pipe, plan.ds_config, device, plan.converters(),
+                             load_weights=self._load_weights, async_checkpoint=t.async_checkpoint)
+        engine, self.engine, self.optimizer = built.engine, built.engine, built.optimizer
+        self.fast_paths, self.ckpt_writer = built.fast_paths, built.ckpt_writer
         self.role = Role(rank=dist.get_rank(), local_rank=local_rank, world_size=dist.get_world_size(),
                          stage=engine.stage_id, first=engine.is_first_stage(), last=engine.is_last_stage(),
                          dp_rank=engine.grid.get_data_parallel_rank(),
                          dp_size=engine.grid.get_data_parallel_world_size(), device=device)
         self.val_files = split_files(plan.staging / "input", "val")
+        self.probe = self._probe() if t.verify_parity else None
+        if self.role.is_rank0:
+            self.uploader = ckpt.CheckpointUploader(
+                plan.run_uri, self.storage,
+                ckpt.PushPolicy(t.keep_last, t.max_failed_pushes, t.max_pending_pushes, t.push_backoff_s),
+                config=self.cfg.model_dump(mode="json"), inputs=[plan.input_uri], key=self.ckpt_key, lease=self.lease)
         state.summary.update(run=plan.run_uri, input=plan.input_uri, precision=self.settings.precision,
                              attention_backend=self.settings.attention_backend,
                              fast_kernels=self.settings.fast_kernels,
@@ -511,6 +488,12 @@ class Trainer:
                              estimated_stage_gib=round(plan.memory.total / GIB, 2) if plan.memory else None,
                              **dataclasses.asdict(self.fast_paths),
                              optimizer_wrapper=type(engine.optimizer).__name__)
+
+    def _load_weights(self, pipe) -> None:
+        from training.weights import load_stage_weights
+
+        n = load_stage_weights(pipe_layers(pipe), self.model_dir)
+        log.info("stage %d: loaded %d base tensors from %s", pipe.stage_id, n, self.model_dir)
 
     def _fetch_inputs(self, rank: int, local_rank: int) -> Path:
         """Rank 0 fetches the dataset while each node's local rank 0 fetches the base weights, in
@@ -574,9 +557,6 @@ class Trainer:
         state.restored = restored
         state.summary["resumed_from_step"] = state.start_step
 
-        self.metrics = None
-        self.tracker = None
-        self.report_dir = plan.staging / "report" / "data"
         if role.is_rank0:
             self.report_dir.mkdir(parents=True, exist_ok=True)
             csv_path = self.report_dir / "metrics.csv"
@@ -594,16 +574,8 @@ class Trainer:
             self.metrics = MetricsLog(csv_path, self.report_dir / "tensorboard", self.tracker)
             self.metrics.truncate(state.start_step)
 
-        self.uploader = None
-        if role.is_rank0:
-            t = self.t
-            self.uploader = ckpt.CheckpointUploader(
-                plan.run_uri, self.storage,
-                ckpt.PushPolicy(t.keep_last, t.max_failed_pushes, t.max_pending_pushes, t.push_backoff_s),
-                config=self.cfg.model_dump(mode="json"), inputs=[plan.input_uri], key=self.ckpt_key, lease=self.lease)
-
     # ---------------------------------------------------------------- fit
-    def _train_batches(self, position: int) -> StepBatches:
+    def train_batches(self, position: int) -> StepBatches:
         t, role = self.t, self.role
         source = None
         if role.has_data:
@@ -632,15 +604,13 @@ class Trainer:
                       if role.has_data and (f := split_files(plan.staging / "input", s))}
             self.reference = dpo_train.ensure_reference(self, splits, resumed=state.restored is not None)
             state.summary.update(self.reference_summary)
-        probe = self._probe() if t.verify_parity else None
-        self.probe = probe
         if t.verify_parity and state.restored is None:
-            diff = gather_value(logits_vs_hf(engine, probe, self.model_dir, self.dtype))
+            diff = gather_value(logits_vs_hf(engine, self.probe, self.model_dir, self.dtype))
             state.summary["parity_base_max_abs_diff"] = diff
             log.info("parity vs transformers (base model): max |diff| = %.3g", diff)
             self._check_parity(diff, "base model")
 
-        batches = self._train_batches(state.position)
+        batches = self.train_batches(state.position)
         tokens_per_step = t.micro_batch_size * t.gradient_accumulation_steps * plan.dp * t.seq_len
         fpt = flops_per_token(ModelShape.from_hf_config(plan.hf_config), t.seq_len)
         peak = peak_tflops(t.peak_tflops) if role.device.type == "cuda" else None
@@ -669,7 +639,7 @@ class Trainer:
             if t.eval_every and step % t.eval_every == 0 and step != t.steps:
                 state.evals.append(self.evaluate(step))
             if step % t.checkpoint_every == 0 or step == t.steps:
-                self._save_checkpoint(step, step * t.gradient_accumulation_steps)
+                self.save_checkpoint(step, step * t.gradient_accumulation_steps)
         if self.ckpt_writer is not None:
             self.ckpt_writer.flush()  # this rank's checkpoint files are on disk before eval/export
         state.summary.update(train_time_s=time.time() - train_t0, steps_run=t.steps - state.start_step,
@@ -806,7 +776,7 @@ class Trainer:
             raise RuntimeError(f"pipeline logits differ from transformers' ({what}) by {diff:.3g} > "
                                f"train.parity_tolerance={self.t.parity_tolerance}")
 
-    def _save_checkpoint(self, step: int, position: int) -> None:
+    def save_checkpoint(self, step: int, position: int) -> None:
         """The one place checkpoints are written (the ``ckpt`` upload seam)."""
         import torch.distributed as dist
 
