@@ -38,13 +38,23 @@ def _losses(report_uri: str, storage: StorageSection | None) -> dict[str, Any]:
     if report is None:
         return {}
     out: dict[str, Any] = {k: v for k, v in report.extra.items() if v is not None}
-    csv_path = next((f["path"] for f in report.files if f["path"].endswith("metrics.csv")), None)
-    if csv_path:
-        text = read_artifact_file(report, csv_path, storage).decode()
-        rows = [r for r in csv.DictReader(io.StringIO(text)) if r.get("loss") not in (None, "", "None")]
-        if rows:
-            out.update(loss_start=float(rows[0]["loss"]), loss_end=float(rows[-1]["loss"]),
-                       first_step=int(rows[0]["step"]), last_step=int(rows[-1]["step"]))
+    def table(name: str, column: str) -> list[dict[str, str]]:
+        path = next((f["path"] for f in report.files if f["path"].endswith(name)), None)
+        if path is None:
+            return []
+        text = read_artifact_file(report, path, storage).decode()
+        return [r for r in csv.DictReader(io.StringIO(text)) if r.get(column) not in (None, "", "None")]
+
+    if rows := table("metrics.csv", "loss"):
+        out.update(loss_start=float(rows[0]["loss"]), loss_end=float(rows[-1]["loss"]),
+                   first_step=int(rows[0]["step"]), last_step=int(rows[-1]["step"]))
+    if rows := table("metrics.csv", "reward_accuracy"):  # objective dpo: the per-step pair metrics
+        out.update(reward_accuracy_start=float(rows[0]["reward_accuracy"]),
+                   reward_accuracy_end=float(rows[-1]["reward_accuracy"]),
+                   reward_margin_start=float(rows[0]["reward_margin"]), reward_margin_end=float(rows[-1]["reward_margin"]))
+    if rows := table("eval.csv", "eval_reward_accuracy"):
+        out["eval_reward_curve"] = [(int(r["step"]), float(r["eval_reward_accuracy"]), float(r["eval_reward_margin"]))
+                                    for r in rows]
     return out
 
 
@@ -149,8 +159,8 @@ def data_report_link(plan: RunPlan, storage: StorageSection | None) -> str | Non
     return report_page_uri(m) if m is not None else None
 
 
-def latest_summary(store_uri: str, storage: StorageSection | None) -> dict[str, Any]:
-    models = uris.join(store_uri, "models")
+def latest_summary(store_uri: str, storage: StorageSection | None, objective: str = "sft") -> dict[str, Any]:
+    models = uris.join(store_uri, "models", *(["dpo"] if objective == "dpo" else []))
     pointer = read_pointer(models, storage)
     target = pointer.target if pointer else read_latest(models, storage)  # stores from before LATEST.d
     if target is None:
@@ -174,6 +184,9 @@ def _fmt_counts(counts: dict[str, Any] | None) -> str:
 def _fmt_promotion(p: dict[str, Any] | None) -> list[str]:
     if not p:
         return []
+    if "reward_accuracy" in p:  # a DPO decision (training/dpo_promote.DPOPromotion)
+        verdict = "PROMOTED" if p["promoted"] else "NOT promoted"
+        return [f"  promote {verdict} to models/dpo/LATEST: {p['reason']}"]
     cur = "none" if p["current_val_loss"] is None else f"{p['current_val_loss']:.4f}"
     verdict = "PROMOTED" if p["promoted"] else "NOT promoted"
     if p.get("promote_on") == "metrics":
@@ -188,6 +201,16 @@ def _fmt_decontamination(d: dict[str, Any] | None) -> list[str]:
     sets = ", ".join(f"{e['name']} ({e['documents']} docs, sha256 {e['sha256'][:12]}): {e['rows_removed']} removed"
                      for e in d["eval_sets"])
     return [f"          decontaminated ({d['ngram']}-grams) against {sets}"]
+
+
+def _fmt_dpo(t: dict[str, Any]) -> list[str]:
+    if "reward_accuracy_start" not in t:
+        return []
+    curve = ", ".join(f"step {s}: {a:.3f} (margin {m:.3f})" for s, a, m in t.get("eval_reward_curve", []))
+    return [f"  dpo     reward accuracy {t['reward_accuracy_start']:.3f} (step {t.get('first_step')}) -> "
+            f"{t['reward_accuracy_end']:.3f} (step {t.get('last_step')}); margin {t['reward_margin_start']:.4f} -> "
+            f"{t['reward_margin_end']:.4f}",
+            f"          val reward accuracy {curve or '(no evaluation)'}"]
 
 
 def _fmt_eval(e: dict[str, Any] | None) -> list[str]:
@@ -217,6 +240,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"          -> {s['filter']['uri']}",
         f"  train   loss start {num(t.get('loss_start'))} (step {t.get('first_step')}) -> end {num(t.get('loss_end'))}"
         f" (step {t.get('last_step')}); val loss {num(t.get('eval_loss'))}, perplexity {num(t.get('eval_perplexity'))}",
+        *_fmt_dpo(t),
         f"          -> {t.get('run_uri')}",
         f"  model   {s['model']['uri']}  ({s['model']['files']} files, {s['model']['bytes'] / 1e6:.1f} MB)",
         *_fmt_eval(s.get("eval")),
@@ -231,12 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Print what the latest published pipeline run did.")
     p.add_argument("--store", default=None, help="store root URI (default: the config's pipeline.store_uri)")
     p.add_argument("--config", default=None, help="config file (for storage settings)")
+    p.add_argument("--objective", choices=("sft", "dpo"), default="sft",
+                   help="whose promoted run: models/LATEST (sft) or models/dpo/LATEST (dpo)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
     store_uri = uris.qualify(args.store) if args.store else cfg.pipeline.store_uri
     try:
-        s = latest_summary(store_uri, cfg.storage)
+        s = latest_summary(store_uri, cfg.storage, args.objective)
     except ArtifactError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
