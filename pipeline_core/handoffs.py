@@ -25,6 +25,56 @@ class _Handoff(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
+class StageCounts(_Handoff):
+    """A manifest's `counts` for a stage that keeps or rejects rows: in = out + sum(rejected).
+
+    On disk the keys are `in`, `out`, `rejected` ({reason: rows}); a count-less artifact (a model,
+    an eval) has none, which `of` answers with None. A manifest whose counts lack `in` or `out`
+    fails loudly in `from_manifest`.
+    """
+
+    rows_in: int = Field(alias="in", ge=0)
+    rows_out: int = Field(alias="out", ge=0)
+    rejected: dict[str, int] = Field(default_factory=dict, description="reason -> rejected rows")
+
+    @property
+    def rejected_total(self) -> int:
+        return sum(self.rejected.values())
+
+    @property
+    def balanced(self) -> bool:
+        return self.rows_in == self.rows_out + self.rejected_total
+
+    def to_counts(self) -> dict[str, Any]:
+        return {"in": self.rows_in, "out": self.rows_out, "rejected": dict(sorted(self.rejected.items()))}
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> StageCounts:
+        return cls.model_validate(manifest.counts or {})
+
+    @classmethod
+    def of(cls, manifest: Manifest) -> StageCounts | None:
+        """None where the artifact carries no row counts (neither `in` nor `out`)."""
+        if not {"in", "out"} & (manifest.counts or {}).keys():
+            return None
+        return cls.from_manifest(manifest)
+
+
+class FileEntry(_Handoff):
+    """One entry of a manifest's `files`: a payload file's path under the artifact, size and sha256."""
+
+    path: str = Field(min_length=1)
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    def to_entry(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "sha256": self.sha256}
+
+    @classmethod
+    def all_of(cls, manifest: Manifest) -> tuple[FileEntry, ...]:
+        return tuple(cls.model_validate(f) for f in manifest.files)
+
+
 class TokenizerSpec(_Handoff):
     """The tokenizer and chat format a train-ready artifact was rendered with.
 
