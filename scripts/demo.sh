@@ -71,5 +71,5 @@ if [ "${DEMO_DPO:-1}" = 1 ]; then
   DPO_CONF="${DEMO_DPO_CONF:-{\"objective\": \"dpo\", \"base_model\": \"latest\", \"dataset_version\": \"sample-dpo\", \"source_uri\": \"file://$ROOT/sample_data/preference\", \"config_overrides\": {\"train.steps\": 24, \"train.learning_rate\": 0.01, \"train.eval_every\": 8, \"train.dpo\": {\"beta\": 0.5\}\}\}}"
   dag_test "$DPO_CONF"
   echo "== what the DPO run did"
-  python -m plugins.mft_airflow.summary --objective dpo
+  python -m plugins.mft_airflow.summary --objective dpo --newest
 fi

@@ -19,7 +19,7 @@ from pipeline_core.artifacts import CorruptArtifact, publish_artifact, read_late
 from plugins.mft_airflow.operators import SparkStageOperator, TrainOperator
 from plugins.mft_airflow.plan import resolve_plan
 from plugins.mft_airflow.settings import load_settings
-from plugins.mft_airflow.summary import format_summary, latest_summary, publish_model
+from plugins.mft_airflow.summary import format_summary, latest_summary, newest_summary, publish_model
 from tests.dag_helpers import task_context
 from tests.test_dag_params import deployment_env
 
@@ -121,6 +121,22 @@ def test_publish_reports_losses_and_moves_latest_last(plan, tmp_path):
     text = format_summary(latest_summary(plan.store_uri, None))
     assert "loss start 10.5000" in text and "-> end 9.2500" in text and plan.model_uri in text
     assert "promote PROMOTED" in text
+    assert newest_summary(plan.store_uri, None)["run_id"] == plan.run_id  # the same run, found by listing
+    with pytest.raises(Exception, match="no published dpo run"):
+        newest_summary(plan.store_uri, None, "dpo")
+
+
+def test_the_summary_shows_a_dpo_runs_reward_metrics(plan, tmp_path):
+    """`make demo`'s DPO section: per-step reward accuracy start -> end and the val curve from eval.csv."""
+    from plugins.mft_airflow.summary import _losses
+
+    _commit(tmp_path, uris.join(plan.run_uri, "report"), "report", {
+        "report/metrics.csv": b"step,loss,reward_accuracy,reward_margin\n1,0.69,0.25,0.0\n2,0.4,0.75,0.9\n",
+        "report/eval.csv": b"step,eval_loss,eval_reward_accuracy,eval_reward_margin\n2,0.5,0.5,0.1\n"},
+        extra={"eval_reward_accuracy": 0.5})
+    t = _losses(uris.join(plan.run_uri, "report"), None)
+    assert (t["reward_accuracy_start"], t["reward_accuracy_end"], t["reward_margin_end"]) == (0.25, 0.75, 0.9)
+    assert t["eval_reward_curve"] == [(2, 0.5, 0.1)]
 
 
 def test_publish_refuses_a_model_with_a_missing_file(plan, tmp_path):

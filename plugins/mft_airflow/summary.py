@@ -108,6 +108,7 @@ def _publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str
     summary = {
         "dataset_version": plan.dataset_version,
         "run_id": plan.run_id,
+        "objective": plan.objective,
         "source_uri": plan.source_uri,
         "enrich": _stage(plan.enriched_uri, storage),
         "filter": {**_stage(plan.train_ready_uri, storage), "decontamination": _decontamination(plan.train_ready_uri, storage)},
@@ -168,6 +169,22 @@ def latest_summary(store_uri: str, storage: StorageSection | None, objective: st
     store, key = open_store(uris.parent(target), storage)
     summary = json.loads(store.get_bytes(f"{key.rstrip('/')}/{SUMMARY}"))
     summary["latest"] = uris.join(models, "LATEST")
+    return summary
+
+
+def newest_summary(store_uri: str, storage: StorageSection | None, objective: str = "sft") -> dict[str, Any]:
+    """The newest published run of an objective, promoted or not (its promotion order key decides)."""
+    store, key = open_store(uris.join(store_uri, "runs"), storage)
+    found = []
+    for info in store.list(key.rstrip("/") + "/"):
+        if info.key.endswith(f"/{SUMMARY}"):
+            s = json.loads(store.get_bytes(info.key))
+            if s.get("objective", "sft") == objective and s.get("promotion"):
+                found.append((s["promotion"]["order_key"], s))
+    if not found:
+        raise ArtifactError(f"no published {objective} run under {store_uri}/runs")
+    summary = max(found, key=lambda f: f[0])[1]
+    summary["latest"] = uris.join(store_uri, "models", *(["dpo"] if objective == "dpo" else []), "LATEST")
     return summary
 
 
@@ -257,12 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=None, help="config file (for storage settings)")
     p.add_argument("--objective", choices=("sft", "dpo"), default="sft",
                    help="whose promoted run: models/LATEST (sft) or models/dpo/LATEST (dpo)")
+    p.add_argument("--newest", action="store_true",
+                   help="the newest published run of the objective, promoted or not (default: the promoted one)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
     store_uri = uris.qualify(args.store) if args.store else cfg.pipeline.store_uri
     try:
-        s = latest_summary(store_uri, cfg.storage, args.objective)
+        s = (newest_summary if args.newest else latest_summary)(store_uri, cfg.storage, args.objective)
     except ArtifactError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
