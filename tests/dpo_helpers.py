@@ -100,3 +100,20 @@ def trl_dpo(model, pairs, ref: torch.Tensor, *, beta: float, loss_type: str = "s
             "chosen_reward": m["rewards/chosen"][-1], "rejected_reward": m["rewards/rejected"][-1],
             "reward_margin": m["rewards/margins"][-1], "logps_chosen": m["logps/chosen"][-1],
             "logps_rejected": m["logps/rejected"][-1]}
+
+
+def dpo_run(store: str, tmp_path, name: str, acc: float, margin: float, ref: str, storage=None) -> tuple[str, str]:
+    """A DPO run's committed model and report (val reward accuracy and margin, reference) under
+    `<store>/runs/<name>/`, as the trainer leaves them for the promotion gate: (run URI, model URI)."""
+    from pipeline_core import layout, uris
+    from pipeline_core.artifacts import publish_artifact
+
+    run = uris.join(store, "runs", name)
+    (tmp_path / name / "model" / "data").mkdir(parents=True)
+    (tmp_path / name / "model" / "data" / "config.json").write_text("{}")
+    (tmp_path / name / "report" / "data").mkdir(parents=True)
+    (tmp_path / name / "report" / "data" / "summary.json").write_text("{}")
+    publish_artifact(tmp_path / name / "model", layout.model_uri(run), kind="model", counts={}, storage=storage)
+    publish_artifact(tmp_path / name / "report", layout.report_uri(run), kind="report", counts={}, storage=storage,
+                     extra={"eval_reward_accuracy": acc, "eval_reward_margin": margin, "reference_uri": ref})
+    return run, layout.model_uri(run)

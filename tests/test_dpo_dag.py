@@ -4,6 +4,8 @@ trainer then loads from the store (verified against its manifest)."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import pytest
 
 from pipeline_core import uris
@@ -11,6 +13,7 @@ from pipeline_core.artifacts import publish_artifact
 from pipeline_core.config import load_config
 from pipeline_core.pointers import advance
 from plugins.mft_airflow.plan import PlanError
+from tests.dpo_helpers import dpo_run
 from tests.test_dag_params import dag, form, resolve, roots  # noqa: F401  (fixtures)
 from tests.training_helpers import make_tiny_model
 
@@ -33,7 +36,7 @@ def test_base_model_latest_resolves_to_the_promoted_model(dag, roots, tmp_path):
     store = roots["pipeline.store_uri"]
     model_uri = uris.join(store, "runs", "sft-1", "model")
     publish_artifact(tmp_path / "sft-model", model_uri, kind="model", counts={}, extra={"format": "huggingface"})
-    advance(uris.join(store, "models"), model_uri, "20260101000000000000")
+    advance(uris.join(store, "models"), model_uri, 0)
     plan = resolve(form(dag, {"base_model": "latest", "objective": "dpo"}), roots)
     cfg = load_config(plan.config_file, env={})
     assert cfg.train.base_model == model_uri  # pinned: a retry trains from the same model
@@ -47,23 +50,9 @@ def test_base_model_latest_resolves_to_the_promoted_model(dag, roots, tmp_path):
     assert model_dir.is_dir()
 
 
-def _dpo_run(store: str, tmp_path, name: str, acc: float, margin: float, val_uri: str, ref: str) -> tuple[str, str]:
-    from pipeline_core import layout
-
-    run = uris.join(store, "runs", name)
-    (tmp_path / name / "model" / "data").mkdir(parents=True)
-    (tmp_path / name / "model" / "data" / "config.json").write_text("{}")
-    (tmp_path / name / "report" / "data").mkdir(parents=True)
-    (tmp_path / name / "report" / "data" / "summary.json").write_text("{}")
-    publish_artifact(tmp_path / name / "model", layout.model_uri(run), kind="model", counts={})
-    publish_artifact(tmp_path / name / "report", layout.report_uri(run), kind="report", counts={},
-                     extra={"eval_reward_accuracy": acc, "eval_reward_margin": margin, "reference_uri": ref})
-    return run, layout.model_uri(run)
-
-
 def test_dpo_promotion_is_gated_on_val_reward_metrics_forward_only(tmp_path):
     from pipeline_core.config import DPOSettings, ReleaseSection
-    from pipeline_core.pointers import read_pointer
+    from pipeline_core.pointers import order_key_from_date, read_pointer
     from training.dpo_promote import apply, evaluate
 
     store = uris.qualify(tmp_path / "store")
@@ -71,19 +60,20 @@ def test_dpo_promotion_is_gated_on_val_reward_metrics_forward_only(tmp_path):
     val, ref = uris.join(store, "datasets", "v", "train", "x"), uris.join(store, "reference", "k")
     release, dpo = ReleaseSection(), DPOSettings(min_val_reward_accuracy=0.6)
 
-    def promote(name, acc, margin, key, val_uri=val):
-        run, model = _dpo_run(store, tmp_path, name, acc, margin, val_uri, ref)
+    def promote(name, acc, margin, day, val_uri=val):
+        run, model = dpo_run(store, tmp_path, name, acc, margin, ref)
+        key = order_key_from_date(datetime(2026, 1, 1, tzinfo=UTC) + timedelta(days=day))
         return apply(evaluate(model, run, val_uri, models, key, release, dpo), models, run_id=name)
 
-    low = promote("r0", 0.5, 0.2, "20260101000000000001")
+    low = promote("r0", 0.5, 0.2, 1)
     assert not low.promoted and "min_val_reward_accuracy" in low.reason and read_pointer(models) is None
-    first = promote("r1", 0.7, 0.2, "20260101000000000002")
+    first = promote("r1", 0.7, 0.2, 2)
     assert first.promoted and read_pointer(models).target.endswith("r1/model")
-    worse = promote("r2", 0.65, 0.3, "20260101000000000003")  # same pairs, lower accuracy than the promoted model's
+    worse = promote("r2", 0.65, 0.3, 3)  # same pairs, lower accuracy than the promoted model's
     assert not worse.promoted and "promoted DPO model's 0.7000" in worse.reason
-    better = promote("r3", 0.75, 0.25, "20260101000000000004")
+    better = promote("r3", 0.75, 0.25, 4)
     assert better.promoted and read_pointer(models).target.endswith("r3/model")
-    stale = promote("r4", 0.9, 0.9, "20260101000000000000")  # an older run never moves the pointer back
+    stale = promote("r4", 0.9, 0.9, 0)  # an older run never moves the pointer back
     assert not stale.promoted and read_pointer(models).target.endswith("r3/model")
-    other = promote("r5", 0.61, 0.1, "20260101000000000005", val_uri=uris.join(store, "datasets", "w", "train", "y"))
+    other = promote("r5", 0.61, 0.1, 5, val_uri=uris.join(store, "datasets", "w", "train", "y"))
     assert other.promoted and "other pairs: not compared" in other.reason

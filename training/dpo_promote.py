@@ -1,4 +1,6 @@
-"""Promotion of a DPO run's model to `models/dpo/LATEST` (forward only, like `training.promote`).
+"""Promotion of a DPO run's model to `models/dpo/LATEST`: the DPO gate on the same promotion loop
+as `training.promote` (`training.pointer_gate`: forward only, compare-and-swap against the record
+the gate evaluated, a lost race evaluates again).
 
 Gate (docs/dpo.md): the run's validation reward accuracy and margin, from its committed report
 (computed by the trainer on the val pairs against the committed reference log-probs):
@@ -11,12 +13,14 @@ The pointer record keeps the numbers and the pairs they were measured on for the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from pipeline_core import layout
 from pipeline_core.artifacts import ArtifactError, require_manifest
 from pipeline_core.config import DPOSettings, ReleaseSection, StorageSection
-from pipeline_core.pointers import advance, read_pointer
+from pipeline_core.pointers import read_pointer
+from training.pointer_gate import move_pointer, promote_gated
 
 
 @dataclass(frozen=True)
@@ -34,9 +38,15 @@ class DPOPromotion:
     order_key: str
     forced: bool
     latest_uri: str | None = None
+    current_order_key: str | None = None  # the pointer record compared with (the compare-and-swap's expected value)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def pointer_extra(self) -> dict:
+        """The numbers the next DPO run is compared with, and the pairs they were measured on."""
+        return {"val_uri": self.val_uri, "reference_uri": self.reference_uri, "reward_accuracy": self.reward_accuracy,
+                "reward_margin": self.reward_margin, "previous": self.current_uri}
 
 
 def decide(acc: float | None, margin: float | None, current: dict | None, min_acc: float,
@@ -80,20 +90,23 @@ def evaluate(model_uri: str, run_uri: str, val_uri: str, models_uri: str, order_
         reason += " (the promoted DPO model was measured on other pairs: not compared)"
     return DPOPromotion(ok, reason, model_uri, acc, margin, pointer.target if pointer else None,
                         same and same["reward_accuracy"], same and same["reward_margin"], val_uri, ref, order_key,
-                        release.force_promote, pointer.target if pointer else None)
+                        release.force_promote, pointer.target if pointer else None,
+                        pointer.order_key if pointer else None)
 
 
 def apply(decision: DPOPromotion, models_uri: str, storage: StorageSection | None = None, *,
-          run_id: str | None = None) -> DPOPromotion:
-    from dataclasses import replace
+          run_id: str | None = None, release: ReleaseSection | None = None) -> DPOPromotion:
+    """Move `models/dpo/LATEST` if the decision says so and the pointer still names the record it was
+    made against (else `PointerMoved`: evaluate again)."""
+    return move_pointer(decision, models_uri, storage, run_id=run_id,
+                        max_ahead_s=(release or ReleaseSection()).max_order_key_ahead_s)
 
-    if not decision.promoted:
-        return decision
-    moved = advance(models_uri, decision.candidate_uri, decision.order_key, storage, run_id=run_id,
-                    extra={"val_uri": decision.val_uri, "reference_uri": decision.reference_uri,
-                           "reward_accuracy": decision.reward_accuracy, "reward_margin": decision.reward_margin,
-                           "previous": decision.current_uri})
-    latest = moved.current.target if moved.current else decision.latest_uri
-    if moved.moved:
-        return replace(decision, latest_uri=latest)
-    return replace(decision, promoted=False, latest_uri=latest, reason=f"{decision.reason}; not moved: {moved.reason}")
+
+def promote(model_uri: str, run_uri: str, val_uri: str, models_uri: str, order_key: str, release: ReleaseSection,
+            dpo: DPOSettings, storage: StorageSection | None = None, *, run_id: str | None = None,
+            on_decision: Callable[[DPOPromotion], None] | None = None) -> DPOPromotion:
+    """Evaluate and apply through the shared loop: a lost race (the pointer moved in between)
+    evaluates again against the new promoted DPO model."""
+    return promote_gated(lambda: evaluate(model_uri, run_uri, val_uri, models_uri, order_key, release, dpo, storage),
+                         models_uri, order_key, storage, run_id=run_id, max_ahead_s=release.max_order_key_ahead_s,
+                         on_decision=on_decision)

@@ -11,7 +11,8 @@
    a run with an older order key never replaces a newer one) and only from the record it was
    compared with: when another publish moved LATEST between the evaluation and the move (a
    backfill promoted meanwhile), the move is refused and the candidate is evaluated again against
-   the new LATEST (up to `REEVALUATIONS` times). Order keys more than
+   the new LATEST (up to `pointer_gate.REEVALUATIONS` times; the loop is `training.pointer_gate`'s,
+   shared with the DPO gate). Order keys more than
    `release.max_order_key_ahead_s` ahead of now are refused.
 The decision, with both numbers, is returned; the caller (`plugins/mft_airflow/summary.py`)
 writes it into the run's `pipeline_summary.json` (`promotion`) and the publish task's XCom.
@@ -25,7 +26,7 @@ import logging
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline_core import uris
@@ -39,21 +40,14 @@ from pipeline_core.config import (
     load_config,
 )
 from pipeline_core.handoffs import BenchmarkResults
-from pipeline_core.pointers import (
-    PointerMoved,
-    PointerRecord,
-    advance,
-    check_order_key,
-    read_pointer,
-    sync_mirror,
-)
+from pipeline_core.pointers import check_order_key, read_pointer
+from training.pointer_gate import move_pointer, promote_gated
 from training.tracking import Tracker
 
 log = logging.getLogger("training.promote")
 
 MODEL_FILES = "data/"
 VAL_FILES = "data/val/"
-REEVALUATIONS = 3  # lost compare-and-swap races before a publish gives up (LATEST is left as it is)
 
 
 @dataclass(frozen=True)
@@ -140,6 +134,9 @@ class Promotion:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def pointer_extra(self) -> dict:
+        return {"val_uri": self.val_uri, "val_loss": self.candidate_val_loss, "previous": self.current_uri}
+
 
 def decide(candidate: float, current: float | None, tolerance: float, forced: bool) -> tuple[bool, str]:
     """The rule alone: (promote?, why)."""
@@ -208,12 +205,6 @@ def evaluate(model_uri: str, val_uri: str, models_uri: str, order_key: str, rele
     )
 
 
-def _compared(decision: Promotion) -> PointerRecord | None:
-    if decision.current_uri is None:
-        return None
-    return PointerRecord(target=decision.current_uri, manifest_sha256="", order_key=decision.current_order_key or "")
-
-
 def benchmark_scores(model_uri: str, current_uri: str | None, release: ReleaseSection,
                      storage: StorageSection | None) -> tuple[BenchmarkResults, BenchmarkResults | None]:
     """Both models' scores, each from its own run's committed eval artifact (runs/<run>/eval). The
@@ -250,26 +241,11 @@ def apply(decision: Promotion, models_uri: str, storage: StorageSection | None =
     points. Whatever the decision, the plain `models/LATEST` mirror is re-synced. With a tracker,
     the decision is logged to the run's MLflow run and a promoted model becomes a version of
     `registered_model` (alias `champion` forward only, by the same order key)."""
-    result = _apply(decision, models_uri, storage, run_id, release)
+    result = move_pointer(decision, models_uri, storage, run_id=run_id,
+                          max_ahead_s=(release or ReleaseSection()).max_order_key_ahead_s)
     if tracker is not None:
         track_promotion(tracker, result, registered_model)
     return result
-
-
-def _apply(decision: Promotion, models_uri: str, storage: StorageSection | None, run_id: str | None,
-           release: ReleaseSection | None) -> Promotion:
-    if not decision.promoted:
-        pointer = sync_mirror(models_uri, storage)  # a publisher killed before its mirror write is repaired here too
-        return replace(decision, latest_uri=pointer.target if pointer else None)
-    ahead = (release or ReleaseSection()).max_order_key_ahead_s
-    moved = advance(models_uri, decision.candidate_uri, decision.order_key, storage, run_id=run_id,
-                    extra={"val_uri": decision.val_uri, "val_loss": decision.candidate_val_loss,
-                           "previous": decision.current_uri},
-                    compared_with=_compared(decision), max_ahead_s=ahead)
-    latest = moved.current.target if moved.current else decision.latest_uri
-    if moved.moved:
-        return replace(decision, latest_uri=latest)
-    return replace(decision, promoted=False, latest_uri=latest, reason=f"{decision.reason}; not moved: {moved.reason}")
 
 
 def track_promotion(tracker: Tracker, decision: Promotion, registered_model: str | None) -> None:
@@ -297,22 +273,13 @@ def promote(model_uri: str, val_uri: str, models_uri: str, order_key: str, relea
     if own:
         tracker = Tracker.create(tracking, run_id or uris.name(uris.parent(model_uri)))
     try:
-        for _ in range(REEVALUATIONS):
-            decision = evaluate(model_uri, val_uri, models_uri, order_key, release, storage)
-            if on_decision is not None:
-                on_decision(decision)
-            try:
-                return apply(decision, models_uri, storage, run_id=run_id, release=release, tracker=tracker,
-                             registered_model=release.registered_model)
-            except PointerMoved as e:
-                log.warning("%s; evaluating %s again against the new LATEST", e, model_uri)
-                moved = e
+        return promote_gated(
+            lambda: evaluate(model_uri, val_uri, models_uri, order_key, release, storage), models_uri, order_key,
+            storage, run_id=run_id, max_ahead_s=release.max_order_key_ahead_s, on_decision=on_decision,
+            on_result=lambda r: track_promotion(tracker, r, release.registered_model) if tracker is not None else None)
     finally:
         if own and tracker is not None:
             tracker.close()
-    return replace(decision, promoted=False, latest_uri=moved.current.target if moved.current else None,
-                   reason=f"{decision.reason}; not moved: LATEST moved {REEVALUATIONS} times while this run was "
-                          f"evaluated ({moved}); publish again to compare with it")
 
 
 def main(argv: list[str] | None = None) -> int:

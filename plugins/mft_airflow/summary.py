@@ -130,12 +130,10 @@ def _publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str
         _write_summary(plan.run_uri, summary, storage)
 
     if plan.objective == "dpo":  # gated on the run's val reward accuracy and margin (training/dpo_promote.py)
-        from training.dpo_promote import apply, evaluate
+        from training.dpo_promote import promote as promote_dpo
 
-        decision = evaluate(plan.model_uri, plan.run_uri, plan.train_ready_uri, plan.models_uri, order_key, release,
-                            dpo or DPOSettings(), storage)
-        store_decision(decision)
-        final = apply(decision, plan.models_uri, storage, run_id=plan.run_id)
+        final = promote_dpo(plan.model_uri, plan.run_uri, plan.train_ready_uri, plan.models_uri, order_key, release,
+                            dpo or DPOSettings(), storage, run_id=plan.run_id, on_decision=store_decision)
     else:
         from training.promote import promote
 
