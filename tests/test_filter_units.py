@@ -199,11 +199,6 @@ def test_render_partitions_trains_on_the_reasoning_trace_only_when_configured():
 def test_render_partitions_keeps_the_conversation_of_sample_candidates_only():
     """`chat` (the template messages of the render sample) for kept rows with a key under the threshold;
     the threshold admits ~8x the wanted sample, or every key when that is most of the rows."""
-def test_overflow_drop_earlier_reasoning_keeps_the_answer_whole_and_counts_the_fit():
-    """filter.overflow=drop_earlier_reasoning (issue 29): earlier turns keep their traces when the row
-    fits; a row too long with them is rendered again without them (counted), its final answer's trace
-    and the visible conversation unchanged; still too long: rejected, never cut. reject (default)
-    renders as before. n_tokens / n_tokens_visible feed the manifest's per-split fit counts."""
     import json
 
     import pandas as pd
@@ -235,6 +230,19 @@ def test_overflow_drop_earlier_reasoning_keeps_the_answer_whole_and_counts_the_f
     assert f'"call_id": "{cid}"' in tok.decode(out["input_ids"][0])
     assert key_threshold(10, 80) == key_threshold(10, 0) == 2 ** 63
     assert key_threshold(10, 8000) == -(2 ** 63) + 2 ** 64 // 100
+
+
+def test_overflow_drop_earlier_reasoning_keeps_the_answer_whole_and_counts_the_fit():
+    """filter.overflow=drop_earlier_reasoning (issue 29): earlier turns keep their traces when the row
+    fits; a row too long with them is rendered again without them (counted), its final answer's trace
+    and the visible conversation unchanged; still too long: rejected, never cut. reject (default)
+    renders as before. n_tokens / len_with_reasoning / len_without_reasoning feed the manifest's
+    per-split fit counts (similarity_filter.split_fit)."""
+    import json
+
+    import pandas as pd
+
+    from pipeline_core.config import FilterSection
     from spark_jobs.filter.render_docs import render_partitions
 
     tok = load_tokenizer("mistral-v1")
@@ -256,7 +264,7 @@ def test_overflow_drop_earlier_reasoning_keeps_the_answer_whole_and_counts_the_f
     assert long_trace in tok.decode(big["input_ids"])  # fits: the earlier trace stays
     base = render(seq_len=512, max_tokens=512)  # overflow=reject: earlier traces dropped, as before
     assert long_trace not in tok.decode(base["input_ids"]) and base["n_tokens"] < big["n_tokens"]
-    assert base["n_tokens_visible"] < base["n_tokens"]  # the final answer's trace counts
+    assert base["len_without_reasoning"] < base["n_tokens"] == base["len_with_reasoning"]  # the final trace counts
 
     limit = base["n_tokens"] + 4  # too long with the earlier trace, fits without it
     dropped = render(seq_len=limit, max_tokens=limit, overflow="drop_earlier_reasoning")
@@ -269,3 +277,32 @@ def test_overflow_drop_earlier_reasoning_keeps_the_answer_whole_and_counts_the_f
     tight = base["n_tokens"] - 1  # too long even without: a reject, not a cut answer
     rejected = render(seq_len=tight, max_tokens=tight + 100, overflow="drop_earlier_reasoning")
     assert rejected["reason"] == "exceeds_seq_len" and rejected["input_ids"] is None
+
+
+def test_fit_with_reasoning_counts_the_marker_when_not_training_reasoning():
+    """len_with_reasoning is the conversation as train_on_reasoning renders it, also for a row whose
+    final answer has no trace: the /no_think or /think marker (v1 `reasoning: off` / `on`) still costs
+    tokens. (Once a shortcut counted such rows as equal both ways: the v1 sample's per-split
+    fit with reasoning equalled the fit without it.)"""
+    import json
+
+    import pandas as pd
+
+    from pipeline_core.config import FilterSection
+    from spark_jobs.filter.render_docs import render_partitions
+
+    plain = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "3 degrees."}]
+    earlier = [{"role": "user", "content": "First?"}, {"role": "assistant", "content": "<think>Think it over.</think>One."},
+               {"role": "user", "content": "Second?"}, {"role": "assistant", "content": "Two."}]
+    n = 3
+    pdf = pd.DataFrame({"id": list("abc"), "category": ["chat"] * n, "key": [1, 2, 3], "split": ["train"] * n,
+                        "reason": [None] * n, "raw": [None] * n,
+                        "messages_json": [json.dumps(plain), json.dumps(plain), json.dumps(earlier)],
+                        "metadata": [None] * n, "reasoning": ["off", None, "on"], "context_sentences": [None] * n,
+                        "context_turns": [None] * n, "context_question_scores": [None] * n})
+    fcfg = FilterSection(tokenizer="mistral-v3", seq_len=256, max_tokens=256, train_on_reasoning=False,
+                         overflow="drop_earlier_reasoning")
+    off, none, on = render_partitions(iter([pdf]), fcfg).__next__().to_dict("records")
+    assert off["n_tokens"] == off["len_without_reasoning"] < off["len_with_reasoning"]  # "/no_think" in the system turn
+    assert none["len_with_reasoning"] == none["len_without_reasoning"] == none["n_tokens"]  # nothing to add
+    assert on["n_tokens"] == on["len_without_reasoning"] < on["len_with_reasoning"]

@@ -183,25 +183,46 @@ def _compute(ctx: StageContext, input_uri: str, in_manifest: Manifest, cfg: Conf
         clean_staging(uris.to_local_path(docs_uri))
 
 
-def _length_fit(docs, fcfg) -> dict[str, Any]:
-    """Per source split (the record's category), of the conversations rendered: how many fit
-    filter.seq_len as rendered (with reasoning when train_on_reasoning) and with the visible
-    conversation alone, and how many had earlier turns' reasoning dropped to fit (issue 29)."""
+def split_fit(docs, fcfg) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The per-split length fit, counted once (one aggregation over each record's first document)
+    and shown two ways: `length_fit` per record category (issue 29: rendered, fit as rendered, fit
+    without reasoning, earlier reasoning dropped, kept) and `source_splits` per input split (issue
+    28: records in, rejected by reason, kept, measured, fit `seq_len` with and without reasoning)."""
     from pyspark.sql import functions as F
 
-    n = F.col("n_tokens")
-    rows = (docs.filter(n.isNotNull()).groupBy("category")
-            .agg(F.count(F.lit(1)).alias("rendered"),
-                 F.sum((n <= fcfg.seq_len).cast("int")).alias("fit"),
-                 F.sum((F.col("n_tokens_visible") <= fcfg.seq_len).cast("int")).alias("fit_without_reasoning"),
-                 F.sum(F.col("reasoning_dropped").cast("int")).alias("reasoning_dropped"),
-                 F.sum(F.col("reason").isNull().cast("int")).alias("kept"))
+    n, seq_len = F.col("n_tokens"), fcfg.seq_len
+    fits = lambda c: F.sum((F.col(c) <= seq_len).cast("int"))  # noqa: E731
+    rows = (docs.filter(F.col("doc") == 0).groupBy("category", "source_split", "reason")
+            .agg(F.count(F.lit(1)).alias("n"), F.count(n).alias("rendered"), fits("n_tokens").alias("fit"),
+                 fits("len_with_reasoning").alias("fit_with"), fits("len_without_reasoning").alias("fit_without"),
+                 F.sum(F.col("reasoning_dropped").cast("int")).alias("reasoning_dropped"))
             .collect())
-    per_split = {str(r["category"] or "unknown"): {k: int(r[k] or 0) for k in
-                                                   ("rendered", "fit", "fit_without_reasoning", "reasoning_dropped", "kept")}
-                 for r in sorted(rows, key=lambda r: str(r["category"]))}
-    return {"seq_len": fcfg.seq_len, "overflow": fcfg.overflow, "with_reasoning": fcfg.train_on_reasoning,
-            "splits": per_split}
+    per_category: dict[str, dict[str, int]] = {}
+    per_source: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        v = {k: int(r[k] or 0) for k in ("n", "rendered", "fit", "fit_with", "fit_without", "reasoning_dropped")}
+        if v["rendered"]:
+            c = per_category.setdefault(str(r["category"] or "unknown"), dict.fromkeys(
+                ("rendered", "fit", "fit_without_reasoning", "reasoning_dropped", "kept"), 0))
+            c["rendered"] += v["rendered"]
+            c["fit"] += v["fit"]
+            c["fit_without_reasoning"] += v["fit_without"]
+            c["reasoning_dropped"] += v["reasoning_dropped"]
+            c["kept"] += v["rendered"] if r["reason"] is None else 0
+        s = per_source.setdefault(r["source_split"] or "", {"in": 0, "out": 0, "rejected": {}, "measured": 0,
+                                                             "fit_seq_len_with_reasoning": 0,
+                                                             "fit_seq_len_without_reasoning": 0})
+        s["in"] += v["n"]
+        if r["reason"] is None:
+            s["out"] += v["n"]
+        else:
+            s["rejected"][r["reason"]] = s["rejected"].get(r["reason"], 0) + v["n"]
+        s["measured"] += v["rendered"]
+        s["fit_seq_len_with_reasoning"] += v["fit_with"]
+        s["fit_seq_len_without_reasoning"] += v["fit_without"]
+    length_fit = {"seq_len": seq_len, "overflow": fcfg.overflow, "with_reasoning": fcfg.train_on_reasoning,
+                  "splits": dict(sorted(per_category.items()))}
+    return length_fit, dict(sorted(per_source.items()))
 
 
 def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config, tok,
@@ -230,7 +251,7 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
             write_parquet(rejects, uris.qualify(staging / "rejects"))
         info["rows"] = n_rej
 
-    length_fit = _length_fit(docs, fcfg)
+    length_fit, source_splits = split_fit(docs, fcfg)
     splits: dict[str, SplitStats] = {}
     seq_len, pad_id, buffer_docs = fcfg.seq_len, tok.pad_id, fcfg.pack_buffer_docs  # plain values for the closure
     pairs = fcfg.objective == "dpo"  # one preference pair per row (chosen, rejected), never packed together
@@ -264,7 +285,7 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
         split_rule=f"{SPLIT_RULE} (seed={fcfg.seed}, val_fraction={fcfg.val_fraction}, "
                    f"val_max_documents={fcfg.val_max_documents})")
     extra["length_fit"] = length_fit
-    extra["source_splits"] = source_split_report(docs, seq_len)
+    extra["source_splits"] = source_splits
     if provenance is not None:
         with timer.step("provenance") as info:
             kept = docs.filter(F.col("reason").isNull() & first).select("key", "id", "split")
@@ -276,32 +297,6 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
     log.info("[filter] %d in, %d kept, rejected %s; tokens %s; packing efficiency %s",
              n_in, counts["out"], counts["rejected"], extra["tokens"], extra["packing_efficiency"])
     return counts, extra
-
-
-def source_split_report(docs, seq_len: int) -> dict[str, dict[str, Any]]:
-    """Per input split (the enriched `source_split`): records in, rejected by reason, kept, and how
-    many of the rendered conversations fit `seq_len` with and without their reasoning."""
-    from pyspark.sql import functions as F
-
-    first = docs.filter(F.col("doc") == 0)
-    out: dict[str, dict[str, Any]] = {}
-    for r in (first.groupBy("source_split", "reason")
-              .agg(F.count(F.lit(1)).alias("n"), F.count("len_with_reasoning").alias("measured"),
-                   F.sum((F.col("len_with_reasoning") <= seq_len).cast("int")).alias("fit_with"),
-                   F.sum((F.col("len_without_reasoning") <= seq_len).cast("int")).alias("fit_without"))
-              .collect()):
-        c = out.setdefault(r["source_split"] or "", {"in": 0, "out": 0, "rejected": {}, "measured": 0,
-                                                     "fit_seq_len_with_reasoning": 0,
-                                                     "fit_seq_len_without_reasoning": 0})
-        c["in"] += r["n"]
-        if r["reason"] is None:
-            c["out"] += r["n"]
-        else:
-            c["rejected"][r["reason"]] = r["n"]
-        c["measured"] += r["measured"]
-        c["fit_seq_len_with_reasoning"] += int(r["fit_with"] or 0)
-        c["fit_seq_len_without_reasoning"] += int(r["fit_without"] or 0)
-    return dict(sorted(out.items()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,8 +6,9 @@ length limits apply (`packing.make_document`); a row that fails either becomes a
 reason and a detail, and a row rejected earlier passes through. One row in, one or more rows out:
 a record with per-turn flags and `train_on_reasoning` can train several documents
 (`conversation.build_documents`); its first output row (`doc` 0) is the whole conversation and
-carries the record's accounting (`len_with_reasoning` / `len_without_reasoning`: the tokens of the
-whole conversation rendered with and without its final reasoning, for the per-split length fit),
+carries the record's accounting (`n_tokens` as rendered, `len_with_reasoning` / `len_without_reasoning`:
+the tokens of the whole conversation rendered with and without reasoning, for the per-split length
+fit, `similarity_filter.split_fit`),
 its prefix documents follow as `doc` 1, 2, ... under the same key (packing orders by key, doc). A
 record any of whose documents fails is rejected whole.
 
@@ -41,7 +42,7 @@ from spark_jobs.packing import Document, LengthLimits, make_document
 
 DOC_SCHEMA = (
     "id string, key long, split string, input_ids array<int>, labels array<int>, n_prompt int, n_answer int, "
-    "truncated boolean, reason string, raw string, chat string, category string, n_tokens int, n_tokens_visible int, "
+    "truncated boolean, reason string, raw string, chat string, category string, n_tokens int, "
     "reasoning_dropped boolean, split_at int, doc int, source_split string, len_with_reasoning int, "
     "len_without_reasoning int"
 )
@@ -75,11 +76,14 @@ def _raw(rec, detail: str) -> str:
 
 
 def render_lengths(messages, rec, opts: ConversationOptions, tok: ChatTokenizer, fcfg: FilterSection):
-    """The record rendered under ``filter.overflow`` -> (the conversation rendered, rendered, tokens as first rendered, tokens of
-    the visible conversation alone, whether earlier turns' reasoning was dropped to fit seq_len).
-    drop_earlier_reasoning first keeps every assistant turn's trace and, only when that is longer
-    than seq_len, renders again with the final answer's alone: the visible conversation and the
-    trained answer are never cut (make_document still rejects what does not fit)."""
+    """The record rendered under ``filter.overflow`` -> (the conversation rendered, rendered, tokens as
+    first rendered, tokens with reasoning, tokens without any reasoning, whether earlier turns'
+    reasoning was dropped to fit seq_len). drop_earlier_reasoning first keeps every assistant turn's
+    trace and, only when that is longer than seq_len, renders again with the final answer's alone:
+    the visible conversation and the trained answer are never cut (make_document still rejects what
+    does not fit). "With reasoning" is the conversation as `train_on_reasoning` renders it (traces
+    and the /think or /no_think marker), whatever this run trains: the other variant is always
+    rendered, since a row without any trace still differs by its marker."""
     keep_earlier = fcfg.overflow == "drop_earlier_reasoning" and opts.train_on_reasoning
     first = dataclasses.replace(opts, earlier_reasoning=True) if keep_earlier else opts
     conv = build_conversation(messages, rec.metadata, rec.reasoning, first)
@@ -91,11 +95,11 @@ def render_lengths(messages, rec, opts: ConversationOptions, tok: ChatTokenizer,
         shorter = tok.render(conv, fcfg.train_on)
         dropped = len(shorter.input_ids) < n_tokens
         rendered = shorter
-    visible = n_tokens
-    if opts.train_on_reasoning:  # the fit without any reasoning (the data report's second count)
-        bare = dataclasses.replace(opts, train_on_reasoning=False, earlier_reasoning=False)
-        visible = len(tok.render(build_conversation(messages, rec.metadata, rec.reasoning, bare), fcfg.train_on).input_ids)
-    return conv, rendered, n_tokens, visible, dropped
+    other = (dataclasses.replace(opts, train_on_reasoning=False, earlier_reasoning=False) if opts.train_on_reasoning
+             else dataclasses.replace(opts, train_on_reasoning=True))
+    n_other = len(tok.render(build_conversation(messages, rec.metadata, rec.reasoning, other), fcfg.train_on).input_ids)
+    with_r, without_r = (n_tokens, n_other) if opts.train_on_reasoning else (n_other, n_tokens)
+    return conv, rendered, n_tokens, with_r, without_r, dropped
 
 
 def render_pair(messages: list[dict[str, Any]], rejected: str, rec, tok: ChatTokenizer, fcfg: FilterSection,
@@ -128,7 +132,6 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
     # drop_earlier_reasoning has already made the row as short as it may get: the rest is a reject
     overflow = "reject" if fcfg.overflow == "drop_earlier_reasoning" else fcfg.overflow
     limits = LengthLimits(fcfg.seq_len, fcfg.max_tokens, fcfg.min_answer_tokens, overflow)
-    plain = dataclasses.replace(opts, train_on_reasoning=False)
     pairs = fcfg.objective == "dpo"
     relevant = fcfg.prompt_context == "relevant"
     cols = [c for c in DOC_SCHEMA.split(", ")]
@@ -137,8 +140,8 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
         out: dict[str, list[Any]] = {k: [] for k in names}
         for rec in pdf.itertuples(index=False):
             reason, raw, docs, chat, split_at = rec.reason, rec.raw, [], None, None
-            lengths: tuple = (None, None, None)  # tokens as rendered, of the visible conversation, reasoning dropped
-            fit: tuple[int | None, int | None] = (None, None)  # tokens with / without the final reasoning
+            # tokens as rendered, with reasoning, without it, whether earlier reasoning was dropped
+            lengths: tuple = (None, None, None, None)
             if reason is None:
                 try:
                     messages = json.loads(rec.messages_json)
@@ -156,7 +159,6 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
                         convs = build_documents(messages, rec.metadata, rec.reasoning, opts)
                         whole, rendered_whole, *lengths = render_lengths(messages, rec, opts, tok, fcfg)
                         rendered = [tok.render(c, fcfg.train_on) for c in convs[:-1]] + [rendered_whole]
-                        fit = _lengths(rendered_whole, messages, rec, plain, opts, tok, fcfg)
                         for r in [rendered[-1], *rendered[:-1]]:  # the whole conversation first: doc 0
                             d = make_document(r.input_ids, r.targets, limits, tok.eos_id)
                             if isinstance(d, tuple):
@@ -184,26 +186,11 @@ def render_partitions(batches: Iterator[pd.DataFrame], fcfg: FilterSection,
                 out["chat"].append(chat if doc and first else None)
                 out["category"].append(rec.category)
                 out["n_tokens"].append(lengths[0] if first else None)
-                out["n_tokens_visible"].append(lengths[1] if first else None)
-                out["reasoning_dropped"].append(lengths[2] if first else None)
+                out["reasoning_dropped"].append(lengths[3] if first else None)
                 out["split_at"].append(split_at)
                 out["doc"].append(j)
                 out["source_split"].append(getattr(rec, "source_split", None))
-                out["len_with_reasoning"].append(fit[0] if first else None)
-                out["len_without_reasoning"].append(fit[1] if first else None)
+                out["len_with_reasoning"].append(lengths[1] if first else None)
+                out["len_without_reasoning"].append(lengths[2] if first else None)
         yield pd.DataFrame(out)
 
-
-def _lengths(whole, messages, rec, plain, opts, tok: ChatTokenizer, fcfg: FilterSection) -> tuple[int, int]:
-    """Tokens of the whole conversation with its final reasoning and without (rendered once more
-    only when the two differ)."""
-    from spark_jobs.conversations.conversation import build_conversation
-    from spark_jobs.conversations.normalize import message_parts
-
-    n = len(whole.input_ids)
-    last = next((m for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "assistant"), None)
-    if last is None or not message_parts(last)[1]:
-        return n, n  # no reasoning to add or remove
-    other_opts = plain if opts.train_on_reasoning else dataclasses.replace(opts, train_on_reasoning=True)
-    other = len(tok.render(build_conversation(messages, rec.metadata, rec.reasoning, other_opts), fcfg.train_on).input_ids)
-    return (n, other) if opts.train_on_reasoning else (other, n)
