@@ -237,7 +237,7 @@ def test_overflow_drop_earlier_reasoning_keeps_the_answer_whole_and_counts_the_f
     fits; a row too long with them is rendered again without them (counted), its final answer's trace
     and the visible conversation unchanged; still too long: rejected, never cut. reject (default)
     renders as before. n_tokens / len_with_reasoning / len_without_reasoning feed the manifest's
-    per-split fit counts (similarity_filter.split_fit)."""
+    per-split fit counts (spark_jobs.filter.job.split_fit)."""
     import json
 
     import pandas as pd

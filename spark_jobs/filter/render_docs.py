@@ -8,7 +8,7 @@ a record with per-turn flags and `train_on_reasoning` can train several document
 (`conversation.build_documents`); its first output row (`doc` 0) is the whole conversation and
 carries the record's accounting (`n_tokens` as rendered, `len_with_reasoning` / `len_without_reasoning`:
 the tokens of the whole conversation rendered with and without reasoning, for the per-split length
-fit, `similarity_filter.split_fit`),
+fit, `spark_jobs.filter.job.split_fit`),
 its prefix documents follow as `doc` 1, 2, ... under the same key (packing orders by key, doc). A
 record any of whose documents fails is rejected whole.
 

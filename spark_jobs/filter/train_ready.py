@@ -3,7 +3,7 @@
 One definition of what a train-ready artifact is made of, for every writer:
 - `describe`: the manifest's counts (in = out + rejected by reason) and `extra` (the
   `pipeline_core.handoffs.TrainReadyInfo` plus the per-split statistics and column contract). The
-  filter stage (similarity_filter.py) packs in Spark and calls it with what it measured;
+  filter stage (spark_jobs/filter/job.py) packs in Spark and calls it with what it measured;
 - `write_train_ready`: rendered documents per split -> packed rows (packing.pack), Parquet in the
   contract, the render sample (pipeline_core.render_sample), `describe`, committed through
   pipeline_core.artifacts. Tests, benchmarks and small corpora use it instead of writing rows by hand.
