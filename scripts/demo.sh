@@ -60,16 +60,31 @@ dag_test() {
   fi
 }
 
-dag_test "$CONF"
-echo "== what the run did (read back from the committed manifests)"
-python -m plugins.mft_airflow.summary
+# DEMO_STEPS picks the runs (default all three, in this order; dpo needs an earlier sft run's model).
+STEPS=" ${DEMO_STEPS:-sft dpo family} "
+if [[ "$STEPS" == *" sft "* ]]; then
+  dag_test "$CONF"
+  echo "== what the run did (read back from the committed manifests)"
+  python -m plugins.mft_airflow.summary
+fi
 
 # Then DPO (docs/dpo.md) from the model the SFT run just promoted (`base_model: latest`), on the bundled
 # preference sample: the same DAG, objective dpo. The tiny model needs a larger step than SFT's default
-# to show the reward accuracy move within a minute of CPU. DEMO_DPO=0 leaves it out.
-if [ "${DEMO_DPO:-1}" = 1 ]; then
+# to show the reward accuracy move within a minute of CPU.
+if [[ "$STEPS" == *" dpo "* ]]; then
   DPO_CONF="${DEMO_DPO_CONF:-{\"objective\": \"dpo\", \"base_model\": \"latest\", \"dataset_version\": \"sample-dpo\", \"source_uri\": \"file://$ROOT/sample_data/preference\", \"config_overrides\": {\"train.steps\": 24, \"train.learning_rate\": 0.01, \"train.eval_every\": 8, \"train.dpo\": {\"beta\": 0.5\}\}\}}"
   dag_test "$DPO_CONF"
   echo "== what the DPO run did"
   python -m plugins.mft_airflow.summary --objective dpo --newest
+fi
+
+# The Nemotron SFT-collection shapes (docs/data-sources.md): withheld system/user turns re-joined from
+# the bundled seed copies (WildChat-style by sha256, TACO-style by dataset/split/index), per-turn
+# training flags, identity and licence filters. The summary shows restored / unrestorable prompts per
+# source and, per input split, how many conversations fit seq_len with and without reasoning.
+if [[ "$STEPS" == *" family "* ]]; then
+  MFT__ENRICH__PROMPT_SOURCES="${MFT__ENRICH__PROMPT_SOURCES:-{allenai/WildChat-1M: 'file://$ROOT/sample_data/seeds/wildchat', BAAI/TACO: 'file://$ROOT/sample_data/seeds/taco'\}}" \
+    dag_test "{\"dataset_version\": \"sample-family\", \"source_uri\": \"file://$ROOT/sample_data/nemotron_sft\", \"config_overrides\": {\"enrich.splits\": [\"chat\", \"tool\", \"code\"]}}"
+  echo "== what the family run did"
+  python -m plugins.mft_airflow.summary --newest
 fi

@@ -64,6 +64,32 @@ def _stage(uri: str, storage: StorageSection | None) -> dict[str, Any]:
             "timings": m.timings if m else None}
 
 
+def _sources(plan: RunPlan, storage: StorageSection | None) -> dict[str, Any] | None:
+    """Per input split (rows in, rejects, conversations that fit seq_len with/without reasoning) and the
+    withheld prompts restored / unrestorable per seed source (docs/data-sources.md)."""
+    from reports.facts import source_split_rows
+
+    en, tr = read_manifest(plan.enriched_uri, storage), read_manifest(plan.train_ready_uri, storage)
+    if en is None or tr is None:
+        return None
+    return {"splits": source_split_rows(en, tr), "prompt_sources": en.extra.get("prompt_sources") or {}}
+
+
+def _fmt_sources(s: dict[str, Any] | None) -> list[str]:
+    if not s:
+        return []
+    lines = []
+    for name, c in sorted(s["prompt_sources"].items()):
+        where = c.get("uri") or f"not configured ({c.get('config_key')})"
+        lines.append(f"  prompts {name}: {c['restored']} restored, {c['unrestorable']} unrestorable <- {where}")
+    for split, r in s["splits"].items():
+        fit = (f"fit seq_len {r['fit_with']} with reasoning / {r['fit_without']} without, of {r['measured']}"
+               if r.get("measured") is not None else "not measured")
+        rejected = ", ".join(f"{k}={n}" for k, n in sorted(r["rejected"].items())) or "none"
+        lines.append(f"  split   {split}: in {r['in']}, kept {r.get('kept')}; {fit}; rejected: {rejected}")
+    return lines
+
+
 def _decontamination(train_ready_uri: str, storage: StorageSection | None) -> dict[str, Any] | None:
 
     from pipeline_core.handoffs import TrainReadyInfo
@@ -113,6 +139,7 @@ def _publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str
         "enrich": _stage(plan.enriched_uri, storage),
         "filter": {**_stage(plan.train_ready_uri, storage), "decontamination": _decontamination(plan.train_ready_uri, storage)},
         "data_report": data_report_link(plan, storage),
+        "sources": _sources(plan, storage),
         "train": {"run_uri": plan.run_uri, **_losses(layout.report_uri(plan.run_uri), storage)},
         "model": {"uri": plan.model_uri, "files": len(model.files),
                   "bytes": sum(f["size"] for f in model.files), "manifest_sha256": model.sha256},
@@ -253,6 +280,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"  filter  {_fmt_counts(s['filter']['counts'])}",
         *_fmt_decontamination(s["filter"].get("decontamination")),
         f"          -> {s['filter']['uri']}",
+        *_fmt_sources(s.get("sources")),
         f"  train   loss start {num(t.get('loss_start'))} (step {t.get('first_step')}) -> end {num(t.get('loss_end'))}"
         f" (step {t.get('last_step')}); val loss {num(t.get('eval_loss'))}, perplexity {num(t.get('eval_perplexity'))}",
         *_fmt_dpo(t),
