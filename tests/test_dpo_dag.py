@@ -36,7 +36,7 @@ def test_base_model_latest_resolves_to_the_promoted_model(dag, roots, tmp_path):
     store = roots["pipeline.store_uri"]
     model_uri = uris.join(store, "runs", "sft-1", "model")
     publish_artifact(tmp_path / "sft-model", model_uri, kind="model", counts={}, extra={"format": "huggingface"})
-    advance(uris.join(store, "models"), model_uri, 0)
+    advance(uris.join(store, "models"), model_uri, "20260101000000000000")
     plan = resolve(form(dag, {"base_model": "latest", "objective": "dpo"}), roots)
     cfg = load_config(plan.config_file, env={})
     assert cfg.train.base_model == model_uri  # pinned: a retry trains from the same model
