@@ -84,7 +84,7 @@ fi
 # source and, per input split, how many conversations fit seq_len with and without reasoning.
 if [[ "$STEPS" == *" family "* ]]; then
   MFT__ENRICH__PROMPT_SOURCES="${MFT__ENRICH__PROMPT_SOURCES:-{allenai/WildChat-1M: 'file://$ROOT/sample_data/seeds/wildchat', BAAI/TACO: 'file://$ROOT/sample_data/seeds/taco'\}}" \
-    dag_test "{\"dataset_version\": \"sample-family\", \"source_uri\": \"file://$ROOT/sample_data/nemotron_sft\", \"config_overrides\": {\"enrich.splits\": [\"chat\", \"tool\", \"code\"]}}"
+    dag_test "{\"dataset_version\": \"sample-family\", \"source_uri\": \"file://$ROOT/sample_data/nemotron_sft\", \"config_overrides\": {\"enrich.splits\": [\"chat\", \"tool\", \"code\"], \"filter.val_fraction\": 0.25}}"
   echo "== what the family run did"
   python -m plugins.mft_airflow.summary --newest
 fi
