@@ -3,7 +3,9 @@
     python -m pipeline_core.sample_preferences --output sample_data/preference
 
 Writes `data/preference-00000-of-00001.jsonl`: factual questions (arithmetic, capitals, units,
-chemistry) whose chosen answer is right and whose rejected answer is a plausible wrong one, a third
+chemistry) whose chosen answer is right and stated plainly and whose rejected answer is a plausible
+wrong one with a hedge (`HEDGE`: the style signal a preference set carries beside the facts, and the
+one a tiny model can learn and carry to unseen questions, so `make demo`'s validation moves), a third
 each as `{prompt, chosen, rejected}` strings, UltraFeedback-binarized message lists, and HelpSteer3
 (`context`, `response1`, `response2`, `overall_preference`, the better side alternating), plus the
 crafted rejects the tests count: a tie, a weak HelpSteer3 preference (|1|), an empty rejected side.
@@ -22,9 +24,15 @@ CAPITALS = [("France", "Paris", "Lyon"), ("Japan", "Tokyo", "Osaka"), ("Italy", 
             ("Egypt", "Cairo", "Alexandria"), ("Kenya", "Nairobi", "Mombasa"), ("Norway", "Oslo", "Bergen")]
 SYMBOLS = [("gold", "Au", "Ag"), ("iron", "Fe", "Ir"), ("sodium", "Na", "So"), ("potassium", "K", "P"),
            ("silver", "Ag", "Si"), ("lead", "Pb", "Ld"), ("tin", "Sn", "Ti"), ("mercury", "Hg", "Me")]
+HEDGE = ", I think."
 
 
 def _pairs() -> list[tuple[str, str, str]]:
+    """(question, chosen, rejected) for every bundled pair."""
+    return [(q, good, bad.removesuffix(".") + HEDGE) for q, good, bad in _facts()]
+
+
+def _facts() -> list[tuple[str, str, str]]:
     out = []
     for a, b in [(7, 5), (12, 9), (23, 19), (48, 17), (6, 8), (14, 3), (31, 44), (9, 9), (27, 15), (55, 36)]:
         out.append((f"What is {a} + {b}?", f"{a} + {b} = {a + b}.", f"{a} + {b} = {a + b + 1}."))

@@ -69,10 +69,13 @@ if [[ "$STEPS" == *" sft "* ]]; then
 fi
 
 # Then DPO (docs/dpo.md) from the model the SFT run just promoted (`base_model: latest`), on the bundled
-# preference sample: the same DAG, objective dpo. The tiny model needs a larger step than SFT's default
-# to show the reward accuracy move within a minute of CPU.
+# preference sample: the same DAG, objective dpo, with scripts/demo-dpo.json's settings (seq 128, a
+# quarter of the prompts held out for validation, a larger step than SFT's default: the tiny model's
+# reward accuracy and margin move within a minute of CPU; tests/test_dpo_dag.py runs the same settings).
+# A promoted DPO model is models/dpo/LATEST.
 if [[ "$STEPS" == *" dpo "* ]]; then
-  DPO_CONF="${DEMO_DPO_CONF:-{\"objective\": \"dpo\", \"base_model\": \"latest\", \"dataset_version\": \"sample-dpo\", \"source_uri\": \"file://$ROOT/sample_data/preference\", \"config_overrides\": {\"train.steps\": 24, \"train.learning_rate\": 0.01, \"train.eval_every\": 8, \"train.dpo\": {\"beta\": 0.5\}\}\}}"
+  DPO_CONF="${DEMO_DPO_CONF:-$(python -c 'import json, sys; print(json.dumps({**json.load(open(sys.argv[1])), "source_uri": sys.argv[2]}))' \
+    scripts/demo-dpo.json "file://$ROOT/sample_data/preference")}"
   dag_test "$DPO_CONF"
   echo "== what the DPO run did"
   python -m plugins.mft_airflow.summary --objective dpo --newest

@@ -127,16 +127,25 @@ def test_publish_reports_losses_and_moves_latest_last(plan, tmp_path):
 
 
 def test_the_summary_shows_a_dpo_runs_reward_metrics(plan, tmp_path):
-    """`make demo`'s DPO section: per-step reward accuracy start -> end and the val curve from eval.csv."""
-    from plugins.mft_airflow.summary import _losses
+    """`make demo`'s DPO section: the train pair metrics at step 1, at each validation step and at the
+    last step beside every validation's, from metrics.csv and eval.csv, and val accuracy first -> last."""
+    from plugins.mft_airflow.summary import _fmt_dpo, _losses
 
+    cols = "pairs,dpo_loss,reward_accuracy,chosen_reward,rejected_reward,reward_margin"
     _commit(tmp_path, uris.join(plan.run_uri, "report"), "report", {
-        "report/metrics.csv": b"step,loss,reward_accuracy,reward_margin\n1,0.69,0.25,0.0\n2,0.4,0.75,0.9\n",
-        "report/eval.csv": b"step,eval_loss,eval_reward_accuracy,eval_reward_margin\n2,0.5,0.5,0.1\n"},
-        extra={"eval_reward_accuracy": 0.5})
-    t = _losses(uris.join(plan.run_uri, "report"), None)
-    assert (t["reward_accuracy_start"], t["reward_accuracy_end"], t["reward_margin_end"]) == (0.25, 0.75, 0.9)
-    assert t["eval_reward_curve"] == [(2, 0.5, 0.1)]
+        "report/metrics.csv": f"step,loss,lr,{cols}\n1,0.69,0,4,0.69,0.25,0,0,0.0\n2,0.5,1,4,0.5,0.5,0.1,0,0.1\n"
+                              "3,0.4,1,4,0.4,0.75,0.5,-0.4,0.9\n".encode(),
+        "report/eval.csv": ("step,eval_loss,eval_perplexity," + ",".join(f"eval_{c}" for c in cols.split(","))
+                            + "\n2,0.6,,6,0.6,0.5,0.05,0,0.05\n3,0.45,,6,0.45,0.8333,0.3,-0.2,0.5\n").encode()},
+        extra={"eval_reward_accuracy": 0.8333})
+    d = _losses(uris.join(plan.run_uri, "report"), None)["dpo"]
+    assert [(r["step"], r["reward_accuracy"], r["reward_margin"]) for r in d["train"]] == [
+        (1, 0.25, 0.0), (2, 0.5, 0.1), (3, 0.75, 0.9)]
+    assert [(r["step"], r["pairs"], r["loss"], r["reward_accuracy"], r["chosen_reward"], r["rejected_reward"])
+            for r in d["val"]] == [(2, 6, 0.6, 0.5, 0.05, 0.0), (3, 6, 0.45, 0.8333, 0.3, -0.2)]
+    text = "\n".join(_fmt_dpo(d))
+    assert "0.500 at step 2, 0.833 at step 3 (6 pairs); margin 0.0500 -> 0.5000, loss 0.6000 -> 0.4500" in text
+    assert "      3 |  0.4000  0.75   0.5000  -0.4000   0.9000 |  0.4500  0.83   0.3000  -0.2000   0.5000" in text
 
 
 def test_publish_refuses_a_model_with_a_missing_file(plan, tmp_path):

@@ -49,13 +49,22 @@ def _losses(report_uri: str, storage: StorageSection | None) -> dict[str, Any]:
         out.update(loss_start=float(rows[0]["loss"]), loss_end=float(rows[-1]["loss"]),
                    first_step=int(rows[0]["step"]), last_step=int(rows[-1]["step"]))
     if rows := table("metrics.csv", "reward_accuracy"):  # objective dpo: the per-step pair metrics
-        out.update(reward_accuracy_start=float(rows[0]["reward_accuracy"]),
-                   reward_accuracy_end=float(rows[-1]["reward_accuracy"]),
-                   reward_margin_start=float(rows[0]["reward_margin"]), reward_margin_end=float(rows[-1]["reward_margin"]))
-    if rows := table("eval.csv", "eval_reward_accuracy"):
-        out["eval_reward_curve"] = [(int(r["step"]), float(r["eval_reward_accuracy"]), float(r["eval_reward_margin"]))
-                                    for r in rows]
+        out["dpo"] = _dpo_curves(rows, table("eval.csv", "eval_reward_accuracy"))
     return out
+
+
+DPO_COLUMNS = ("loss", "reward_accuracy", "chosen_reward", "rejected_reward", "reward_margin")
+
+
+def _dpo_curves(steps: list[dict[str, str]], evals: list[dict[str, str]]) -> dict[str, Any]:
+    """objective dpo: the train metrics at the first step, at each validation step and at the last step
+    (each over that step's pairs), and every validation (over the val pairs); `pairs` per row."""
+    def row(r: dict[str, str], prefix: str) -> dict[str, Any]:
+        return {"step": int(r["step"]), "pairs": int(float(r[f"{prefix}pairs"])),
+                **{c: float(r[f"{prefix}{'dpo_loss' if c == 'loss' else c}"]) for c in DPO_COLUMNS}}
+
+    at = {int(r["step"]) for r in evals} | {int(steps[0]["step"]), int(steps[-1]["step"])}
+    return {"train": [row(r, "") for r in steps if int(r["step"]) in at], "val": [row(r, "eval_") for r in evals]}
 
 
 def _stage(uri: str, storage: StorageSection | None) -> dict[str, Any]:
@@ -245,14 +254,33 @@ def _fmt_decontamination(d: dict[str, Any] | None) -> list[str]:
     return [f"          decontaminated ({d['ngram']}-grams) against {sets}"]
 
 
-def _fmt_dpo(t: dict[str, Any]) -> list[str]:
-    if "reward_accuracy_start" not in t:
+def _fmt_dpo(d: dict[str, Any] | None) -> list[str]:
+    """objective dpo: train and val pair metrics side by side at each validation step (docs/dpo.md, "Metrics")."""
+    if not d:
         return []
-    curve = ", ".join(f"step {s}: {a:.3f} (margin {m:.3f})" for s, a, m in t.get("eval_reward_curve", []))
-    return [f"  dpo     reward accuracy {t['reward_accuracy_start']:.3f} (step {t.get('first_step')}) -> "
-            f"{t['reward_accuracy_end']:.3f} (step {t.get('last_step')}); margin {t['reward_margin_start']:.4f} -> "
-            f"{t['reward_margin_end']:.4f}",
-            f"          val reward accuracy {curve or '(no evaluation)'}"]
+
+    def cols(r: dict[str, Any] | None) -> str:
+        if r is None:
+            return " " * 42
+        return (f"{r['loss']:>7.4f} {r['reward_accuracy']:>5.2f} {r['chosen_reward']:>8.4f} {r['rejected_reward']:>8.4f} "
+                f"{r['reward_margin']:>8.4f}")
+
+    train, val = {r["step"]: r for r in d["train"]}, {r["step"]: r for r in d["val"]}
+    head = "   loss   acc   chosen rejected   margin"
+    lines = [f"  dpo      step | train (the step's pairs){' ' * 17}| val (every val pair)",
+             f"                | {head} | {head}",
+             *(f"          {step:>5} | {cols(train.get(step))} | {cols(val.get(step))}".rstrip()
+               for step in sorted(train.keys() | val.keys()))]
+    if d["val"]:
+        first, last = d["val"][0], d["val"][-1]
+        lines.append(f"          val reward accuracy: 0 before training (the policy is the reference: every reward 0, "
+                     f"loss log 2 = 0.6931), {first['reward_accuracy']:.3f} at step {first['step']}, "
+                     f"{last['reward_accuracy']:.3f} at step {last['step']} ({last['pairs']} pairs); "
+                     f"margin {first['reward_margin']:.4f} -> {last['reward_margin']:.4f}, "
+                     f"loss {first['loss']:.4f} -> {last['loss']:.4f}")
+    else:
+        lines.append("          (no validation: train.eval_batches 0 or no val split)")
+    return lines
 
 
 def _fmt_eval(e: dict[str, Any] | None) -> list[str]:
@@ -283,7 +311,7 @@ def format_summary(s: dict[str, Any]) -> str:
         *_fmt_sources(s.get("sources")),
         f"  train   loss start {num(t.get('loss_start'))} (step {t.get('first_step')}) -> end {num(t.get('loss_end'))}"
         f" (step {t.get('last_step')}); val loss {num(t.get('eval_loss'))}, perplexity {num(t.get('eval_perplexity'))}",
-        *_fmt_dpo(t),
+        *_fmt_dpo(t.get("dpo")),
         f"          -> {t.get('run_uri')}",
         f"  model   {s['model']['uri']}  ({s['model']['files']} files, {s['model']['bytes'] / 1e6:.1f} MB)",
         *_fmt_eval(s.get("eval")),
