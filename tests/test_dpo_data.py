@@ -132,7 +132,7 @@ def test_enrich_keeps_pairs_and_rejects_ties_and_empty_sides(staged):
     assert c["rejected"] == {"empty_response": 1, "preference_tie": 1}
     assert staged.em.extra["objective"] == "dpo"
     row = next(r for r in staged.data if r["id"] == "pref-000")
-    assert row["answer"] == "7 + 5 = 12." and row["rejected"] == "7 + 5 = 13."
+    assert row["answer"] == "7 + 5 = 12." and row["rejected"] == "7 + 5 = 13, I think."
     assert row["sim_question_answer"] is not None and row["sim_question_rejected"] is not None
 
 
@@ -154,7 +154,7 @@ def test_filter_packs_one_pair_per_row_and_counts_every_record(staged):
         trained = [(a, b) for a, b in docs if (labels[a:b] != IGNORE_INDEX).any()]
         assert len(trained) == 2 and trained == docs[:2]  # chosen, rejected, then padding (if any)
         texts.append(tuple(tok.decode([int(t) for t in labels[a:b] if t != IGNORE_INDEX]) for a, b in trained))
-    assert ("7 + 5 = 12.", "7 + 5 = 13.") in [(a.strip(), b.strip()) for a, b in texts]
+    assert ("7 + 5 = 12.", "7 + 5 = 13, I think.") in [(a.strip(), b.strip()) for a, b in texts]
 
 
 @pytest.mark.slow
