@@ -575,7 +575,7 @@ def reference_pass(trainer, device: Device) -> dict:
     ref = trainer.reference_summary  # the forward pass alone (hashing the model and committing excluded)
     torch.distributed.barrier()
     t1 = time.perf_counter()
-    dpo_train._collect(trainer.engine, trainer.role, trainer.loss, splits["train"], t)
+    dpo_train.sequence_logps(trainer.engine, trainer.role, trainer.loss, splits["train"], t)
     device.sync()
     warm = time.perf_counter() - t1
     return {"rows": rows, "time_s": ref.get("reference_time_s"), "tokens_per_s": ref.get("reference_tokens_per_s"),

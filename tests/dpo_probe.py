@@ -5,7 +5,7 @@
 DATA_DIR holds data/{train,val}/*.parquet pair rows and reference.pt ({split: [rows, 2] float64}).
 OPTIONS: JSON {"micro_batch": m, "accumulation": g, "beta": b, "loss_type": ..., "label_smoothing": ...}.
 Builds the pipeline module with the DPO loss and the hidden-state head (training/dpo_train.py),
-then (1) the reference pass of ``dpo_train._collect`` over the train split with the base weights,
+then (1) the reference pass of ``dpo_train.sequence_logps`` over the train split with the base weights,
 (2) one training step on the train split with the given reference log-probs (PairMicroBatches,
 StepBatches counting pairs), (3) an evaluation pass. The last stage of replica 0 writes OUT.json:
 collected log-probs, step loss, the step's and the evaluation's DPO metrics.
@@ -66,7 +66,7 @@ def main(data_dir: str, model_dir: str, stages: int, out: str, options: str) -> 
     loss = pipe.loss_fn
     shards = {s: ShardSet(split_files(data, s), seq, columns_for(first, last)) for s in ("train", "val")}
 
-    collected = dpo_train._collect(engine, role, loss, shards["train"], t)
+    collected = dpo_train.sequence_logps(engine, role, loss, shards["train"], t)
 
     def step_batches(split: str, n: int | None = None):
         src = PairMicroBatches(shards[split], reference[split].numpy(), micro_batch=t.micro_batch_size,

@@ -106,7 +106,7 @@ def _read_table(path: Path, shards) -> np.ndarray:
     return out
 
 
-def _collect(engine, role, loss: DPOLoss, shards, t: TrainSection) -> tuple[np.ndarray, np.ndarray] | None:
+def sequence_logps(engine, role, loss: DPOLoss, shards, t: TrainSection) -> tuple[np.ndarray, np.ndarray] | None:
     """Forward-only pass of the current weights over every row of one split: on the last stage,
     ([rows, 2] summed log-probs, [rows, 2] trained-token counts) gathered over data parallel."""
     import torch.distributed as dist
@@ -194,7 +194,7 @@ def ensure_reference(trainer, shard_sets: dict[str, Any], resumed: bool) -> dict
     splits = gather_value(splits if role.is_rank0 else None)
     dist.barrier()
     t0 = time.time()
-    results = {s: _collect(engine, role, trainer.loss, shard_sets.get(s), trainer.t) for s in splits}
+    results = {s: sequence_logps(engine, role, trainer.loss, shard_sets.get(s), trainer.t) for s in splits}
     elapsed = time.time() - t0
     rows = sum(v[0].shape[0] for v in results.values()) if role.last else None
     rows = gather_value(rows)
