@@ -1,6 +1,6 @@
 """A stand-in training module for the multi-node attempt test: run by the launchers' torchrun agents
 (`-m tests.attempt_probe`), it takes its attempt directory the way the trainer does
-(training.lease.attempt_id, rank 0's broadcast by training.train.agreed_staging), writes this rank's
+(training.lease.attempt_id, rank 0's broadcast by training.collectives.agreed_staging), writes this rank's
 checkpoint marker (the RNG file) for step 2 unless $PROBE_SKIP_RANK names it, and rank 0 waits for
 every rank's marker as the async uploader does. Results go to $PROBE_OUT."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from training import checkpoints as ckpt
+from training.collectives import agreed_staging
 from training.lease import attempt_id
-from training.train import agreed_staging
 
 
 def main() -> None:

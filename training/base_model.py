@@ -8,10 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline_core import uris
-from pipeline_core.artifacts import fetch_artifact, read_manifest
+from pipeline_core.artifacts import ArtifactError, fetch_artifact, read_manifest, require_manifest
 from pipeline_core.config import StorageSection
 
-CONFIG_FILE = "data/config.json"
+MODEL_FILES = "data/"  # a model artifact's payload: a Hugging Face model directory
+CONFIG_FILE = MODEL_FILES + "config.json"
 
 
 def _store_model(base_model: str, storage: StorageSection | None):
@@ -27,5 +28,15 @@ def fetch(base_model: str, storage: StorageSection | None, cache: Path, config_o
     if m is None:
         return None
     dest = cache / m.sha256[:16]
-    fetch_artifact(base_model, dest, storage, prefix=CONFIG_FILE if config_only else "data/")
+    fetch_artifact(base_model, dest, storage, prefix=CONFIG_FILE if config_only else MODEL_FILES)
     return dest / "data"
+
+
+def fetch_model(uri: str, dest: Path, storage: StorageSection | None) -> Path:
+    """A committed model artifact's model directory under `dest`, every file sha256-checked against
+    the manifest (promotion and benchmark scoring; raises before anything loads)."""
+    manifest = require_manifest(uri, storage, kind="model")
+    fetch_artifact(uri, dest, storage)
+    if not manifest.file_paths(MODEL_FILES):
+        raise ArtifactError(f"{uri}: the model artifact has no {MODEL_FILES} files")
+    return dest / MODEL_FILES

@@ -2,7 +2,7 @@
 
     python -m training.benchmarks --input MODEL_URI --output EVAL_URI [--config FILE]
 
-1. The model artifact is fetched with every file checked against its manifest (`promote.fetch_model`).
+1. The model artifact is fetched with every file checked against its manifest (`base_model.fetch_model`).
 2. Each `release.eval_tasks` entry runs through `lm_eval.simple_evaluate` with the HF backend on
    `release.eval_device` (a GPU in the trainer's container): a harness task by name, or a local
    YAML task (`yaml:` a file:// or s3:// URI; plain YAML, its `dataset_kwargs.data_files` resolved
@@ -158,7 +158,7 @@ def score_model(model: Manifest, release: ReleaseSection, storage: StorageSectio
     under `work`); with `samples_dir`, every scored sample is written there as `<task>.jsonl`."""
     from importlib.metadata import version
 
-    from training.promote import fetch_model
+    from training.base_model import fetch_model
 
     if not release.eval_tasks:
         raise ValueError("release.eval_tasks is empty: nothing to evaluate (add tasks or leave the eval task out)")

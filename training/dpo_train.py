@@ -25,6 +25,7 @@ import torch
 
 from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact, publish_artifact, read_manifest
+from training.collectives import broadcast, gather_value
 from training.dpo_data import PairMicroBatches
 from training.dpo_loss import DPOLoss, DPOMetrics
 from training.loss import StepBatches
@@ -118,8 +119,6 @@ def sequence_logps(engine, role, loss: DPOLoss, shards, t: TrainSection) -> tupl
                                   dp_size=role.dp_size, seed=t.seed, shuffle=False, need_inputs=role.first,
                                   need_labels=role.last, device=role.device)
         n, it = source.in_order()
-    from training.train import gather_value
-
     n = gather_value(n)
     if role.last:
         loss.collect = []
@@ -166,7 +165,6 @@ def ensure_reference(trainer, shard_sets: dict[str, Any], resumed: bool) -> dict
 
     import torch.distributed as dist
 
-    from training.train import broadcast, gather_value
 
     plan, role, engine = trainer.plan, trainer.role, trainer.engine
     uri = committed = model_sha = None

@@ -41,12 +41,12 @@ from pipeline_core.config import (
 )
 from pipeline_core.handoffs import BenchmarkResults
 from pipeline_core.pointers import check_order_key, read_pointer
+from training.base_model import fetch_model
 from training.pointer_gate import move_pointer, promote_gated
 from training.tracking import Tracker
 
 log = logging.getLogger("training.promote")
 
-MODEL_FILES = "data/"
 VAL_FILES = "data/val/"
 
 
@@ -149,14 +149,6 @@ def decide(candidate: float, current: float | None, tolerance: float, forced: bo
         return True, f"forced (release.force_promote): val loss {candidate:.4f} is worse than current {current:.4f} by {margin:.4f}"
     return False, (f"val loss {candidate:.4f} is worse than the current LATEST's {current:.4f} by {margin:.4f} > "
                    f"release.promote_tolerance={tolerance:g}; set release.force_promote to publish it anyway")
-
-
-def fetch_model(uri: str, dest: Path, storage: StorageSection | None) -> Path:
-    manifest = require_manifest(uri, storage, kind="model")
-    fetch_artifact(uri, dest, storage)  # every file, sha256-checked against the manifest
-    if not manifest.file_paths(MODEL_FILES):
-        raise ArtifactError(f"{uri}: the model artifact has no {MODEL_FILES} files")
-    return dest / MODEL_FILES
 
 
 def evaluate(model_uri: str, val_uri: str, models_uri: str, order_key: str, release: ReleaseSection,

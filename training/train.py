@@ -46,6 +46,7 @@ from pipeline_core.config import PROJECT_ROOT, Config, ConfigError, load_config 
 from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo  # noqa: E402
 from training import base_model, dpo_train  # noqa: E402
 from training import checkpoints as ckpt  # noqa: E402
+from training.collectives import agreed_staging, broadcast, gather_all, gather_value  # noqa: E402
 from training.data import COLUMNS, MicroBatches, ShardSet, columns_for, split_files  # noqa: E402
 from training.engine import FastPaths, ModelConverter, build_engine, engine_spec, model_converters  # noqa: E402
 from training.flops import ModelShape, flops_per_token  # noqa: E402
@@ -248,34 +249,6 @@ def _does_not_fit(worst: StageMemory, device_bytes: int, what: str, longest: int
 
 
 # ----------------------------------------------------------------------------- helpers
-def broadcast(obj, src: int = 0, group=None):
-    import torch.distributed as dist
-
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-def agreed_staging(staging: Path, group=None) -> Path:
-    """Rank 0's attempt directory on every rank (its attempt id names the lease holder too): agents
-    of one launch may count restarts differently, and a rank writing elsewhere would leave its
-    checkpoint markers where rank 0 never looks."""
-    return Path(broadcast(str(staging), group=group))
-
-
-def gather_all(value, group=None) -> list:
-    import torch.distributed as dist
-
-    values = [None] * dist.get_world_size(group)
-    dist.all_gather_object(values, value, group=group)
-    return values
-
-
-def gather_value(value, group=None):
-    """The one non-None value (e.g. the last stage's), on every rank."""
-    return next((v for v in gather_all(value, group) if v is not None), None)
-
-
 @torch.no_grad()
 def logits_vs_hf(engine, probe: dict[str, torch.Tensor] | None, model_dir: Path, dtype: torch.dtype) -> float | None:
     """Max |pipeline logits - transformers logits| on the probe batch (on the last stage; None elsewhere)."""
