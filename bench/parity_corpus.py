@@ -139,6 +139,7 @@ def load_documents(path: Path) -> tuple[dict, list[tuple[np.ndarray, np.ndarray,
 
 def pack(args) -> int:
     from pipeline_core.config import FilterSection
+    from pipeline_core.handoffs import TrainReadyInfo, TrainReadySplits
     from spark_jobs.conversations.chat_format import load_tokenizer
     from spark_jobs.filter.train_ready import document, stage_train_ready
 
@@ -153,8 +154,10 @@ def pack(args) -> int:
         out, splits, seq_len=args.seq_len, tokenizer=tok.spec_for_manifest(), rejected=meta["rejected"],
         train_on=fcfg.train_on, prompt_context=fcfg.prompt_context, tokenizer_details=tok.identity(),
         split_rule=f"1 in {VAL_EVERY} documents (by content hash) to val", buffers=fcfg.pack_buffer_docs)
-    (out / "train_ready.json").write_text(json.dumps({"counts": counts, "info": extra, "source": meta}, indent=1))
-    print(json.dumps({"splits": extra["splits"], "packing_efficiency": extra["packing_efficiency"], "out": str(out)}))
+    (out / "train_ready.json").write_text(json.dumps({"counts": counts.to_counts(), "info": extra, "source": meta}, indent=1))
+    packed = TrainReadySplits.read(extra)
+    print(json.dumps({"splits": {s: v.to_json_dict() for s, v in packed.splits.items()},
+                      "packing_efficiency": TrainReadyInfo.read(extra).packing_efficiency, "out": str(out)}))
     return 0
 
 

@@ -401,11 +401,13 @@ def publish_ready_dir(root: Path, data_dir: Path) -> str:
     render and pack), committed into the bench store as the filter stage would commit it."""
     from pipeline_core import uris
     from pipeline_core.artifacts import publish_artifact, read_manifest
+    from pipeline_core.handoffs import StageCounts
 
     uri = uris.join(uris.qualify(root / "store"), "datasets", "bench", "train", f"text-{data_dir.name}")
     if read_manifest(uri) is None:
         meta = json.loads((data_dir / "train_ready.json").read_text())
-        publish_artifact(data_dir, uri, kind="train-ready", counts=meta["counts"], extra=meta["info"])
+        publish_artifact(data_dir, uri, kind="train-ready", counts=StageCounts.read(meta["counts"]),
+                         extra=meta["info"])
     return uri
 
 

@@ -21,13 +21,14 @@ import os
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline_core import uris
 from pipeline_core.config import PROJECT_ROOT, stable_hash
+from pipeline_core.handoffs import FileEntry, RowsPerSplit, StageCounts, UnbalancedCounts
 from pipeline_core.store import (
     ChecksumMismatch,
     ObjectNotFound,
@@ -104,8 +105,8 @@ class Manifest:
         m.sha256 = sha256_bytes(data)
         if m.payload:
             safe_relpath(m.payload, "manifest payload")
-        for f in m.files:
-            safe_relpath(f["path"], "manifest file path")
+        for f in FileEntry.all_of(m):
+            safe_relpath(f.path, "manifest file path")
         return m
 
     def input_refs(self) -> list[InputRef]:
@@ -119,7 +120,7 @@ class Manifest:
         return next((i for i in self.input_refs() if i.kind == kind), None)
 
     def file_paths(self, prefix: str = "") -> list[str]:
-        return [f["path"] for f in self.files if f["path"].startswith(prefix)]
+        return [f.path for f in FileEntry.all_of(self, prefix)]
 
     def object_path(self, path: str) -> str:
         """Where the file `path` (as listed, e.g. data/part-0.parquet) lies under the artifact's prefix."""
@@ -148,8 +149,8 @@ def new_attempt_id() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:12]
 
 
-def content_hash(files: list[dict[str, Any]]) -> str:
-    return stable_hash(sorted((f["path"], f["size"], f["sha256"]) for f in files))
+def content_hash(files: list[FileEntry]) -> str:
+    return stable_hash(sorted((f.path, f.size, f.sha256) for f in files))
 
 
 @functools.lru_cache(maxsize=1)
@@ -170,14 +171,24 @@ def code_version() -> str:
         return "unknown"
 
 
-def _check_counts(counts: dict[str, Any]) -> None:
-    if {"in", "out"} <= counts.keys():
-        rejected = sum(int(v) for v in counts.get("rejected", {}).values())
-        if int(counts["in"]) != int(counts["out"]) + rejected:
-            raise ArtifactError(
-                f"row counts do not add up: in={counts['in']} != out={counts['out']} + rejected={rejected}; "
-                "refusing to commit an artifact that lost records"
-            )
+Counts = StageCounts | RowsPerSplit
+
+
+def _counts_model(counts: Counts | Mapping[str, Any] | None) -> Counts | None:
+    """The typed counts to commit; a plain mapping (tests, older callers) is validated into one."""
+    if counts is None or isinstance(counts, StageCounts | RowsPerSplit):
+        return counts
+    if not counts:
+        return None
+    return (StageCounts if {"in", "out"} & counts.keys() else RowsPerSplit).read(counts)
+
+
+def _check_counts(counts: Counts | None) -> None:
+    if isinstance(counts, StageCounts):
+        try:
+            counts.require_balanced()
+        except UnbalancedCounts as e:
+            raise ArtifactError(f"{e}; refusing to commit an artifact that lost records") from None
 
 
 def read_manifest(uri: str, storage: StorageSection | None = None) -> Manifest | None:
@@ -215,7 +226,7 @@ def publish_artifact(
     kind: str,
     config: dict[str, Any] | None = None,
     inputs: list[str] | tuple[str, ...] = (),
-    counts: dict[str, Any] | None = None,
+    counts: Counts | Mapping[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
     timings: dict[str, float] | None = None,
     storage: StorageSection | None = None,
@@ -230,7 +241,7 @@ def publish_artifact(
     uploaded payload is then removed."""
     uri = uris.require_uri(uri, "artifact URI").rstrip("/")
     local_dir = Path(local_dir)
-    counts = counts or {}
+    counts = _counts_model(counts)
     _check_counts(counts)
     store, key = open_store(uri, storage)
     key = key.rstrip("/")
@@ -241,7 +252,7 @@ def publish_artifact(
     )
     existing = read_manifest(uri, storage)
     if existing is not None:
-        mine = [{"path": p.relative_to(local_dir).as_posix(), "size": p.stat().st_size, "sha256": sha256_file(p)}
+        mine = [FileEntry(path=p.relative_to(local_dir).as_posix(), size=p.stat().st_size, sha256=sha256_file(p))
                 for p in local_files]
         return _same_or_conflict(existing, content_hash(mine), uri)
 
@@ -252,7 +263,7 @@ def publish_artifact(
         for p in local_files:
             rel = p.relative_to(local_dir).as_posix()
             info = store.put_file(f"{key}/{attempt}/{rel}", p)
-            files.append({"path": rel, "size": info.size, "sha256": info.sha256})
+            files.append(FileEntry(path=rel, size=info.size, sha256=info.sha256))
     except BaseException:
         _drop_attempt(store, key, attempt)  # ours alone: nothing else names or writes it
         raise
@@ -266,8 +277,8 @@ def publish_artifact(
     manifest = Manifest(
         uri=uri,
         kind=kind,
-        files=files,
-        counts=counts,
+        files=[f.to_entry() for f in files],
+        counts=counts.to_counts() if counts is not None else {},
         config=config,
         config_hash=stable_hash(config)[:12],
         inputs=input_refs,
@@ -302,7 +313,7 @@ def publish_artifact(
         _drop_attempt(store, key, attempt)
         return _same_or_conflict(other, manifest.content_sha256, uri)
     manifest.sha256 = sha256_bytes(body)
-    log.info("committed %s artifact %s: %d files, counts=%s", kind, uri, len(files), counts)
+    log.info("committed %s artifact %s: %d files, counts=%s", kind, uri, len(files), manifest.counts)
     return manifest
 
 
@@ -336,40 +347,38 @@ def fetch_artifact(
     key = key.rstrip("/")
     local_dir = Path(local_dir)
     root = local_dir.resolve()
-    for f in manifest.files:
-        if not f["path"].startswith(prefix):
-            continue
-        dest = local_dir / f["path"]
+    for f in FileEntry.all_of(manifest, prefix):
+        dest = local_dir / f.path
         if not dest.resolve().is_relative_to(root):  # a symlink planted in local_dir
-            raise CorruptArtifact(f"{uris.join(uri, MANIFEST)}: file {f['path']!r} resolves outside {local_dir}")
-        if dest.is_file() and dest.stat().st_size == f["size"] and sha256_file(dest) == f["sha256"]:
+            raise CorruptArtifact(f"{uris.join(uri, MANIFEST)}: file {f.path!r} resolves outside {local_dir}")
+        if dest.is_file() and dest.stat().st_size == f.size and sha256_file(dest) == f.sha256:
             continue
-        _fetch_file(store, f"{key}/{manifest.object_path(f['path'])}", dest, f, uris.join(uri, f["path"]))
+        _fetch_file(store, f"{key}/{manifest.object_path(f.path)}", dest, f, uris.join(uri, f.path))
     return manifest
 
 
-def _fetch_file(store: Any, key: str, dest: Path, f: dict[str, Any], name: str) -> None:
+def _fetch_file(store: Any, key: str, dest: Path, f: FileEntry, name: str) -> None:
     """One verified download (see `_verified_read`)."""
-    _verified_read(lambda: (None, store.get_file(key, dest, expected_sha256=f["sha256"]).size), f, name)
+    _verified_read(lambda: (None, store.get_file(key, dest, expected_sha256=f.sha256).size), f, name)
 
 
 def read_artifact_file(manifest: Manifest, path: str, storage: StorageSection | None = None) -> bytes:
     """The bytes of the committed artifact's file `path` (as the manifest lists it), verified like
     `fetch_artifact`'s files; FileNotFoundError when the manifest does not list `path`."""
-    f = next((f for f in manifest.files if f["path"] == path), None)
+    f = FileEntry.named(manifest, path)
     if f is None:
         raise FileNotFoundError(f"{path!r} is not a file of the committed artifact {manifest.uri}")
     store, key = open_store(manifest.uri, storage)
     key = f"{key.rstrip('/')}/{manifest.object_path(path)}"
 
     def get() -> tuple[bytes, int]:
-        data = store.get_bytes(key, expected_sha256=f["sha256"])
+        data = store.get_bytes(key, expected_sha256=f.sha256)
         return data, len(data)
 
     return _verified_read(get, f, uris.join(manifest.uri, path))
 
 
-def _verified_read(get: Callable[[], tuple[Any, int]], f: dict[str, Any], name: str) -> Any:
+def _verified_read(get: Callable[[], tuple[Any, int]], f: FileEntry, name: str) -> Any:
     """`get()` (its value and the size it read) checked against the manifest entry `f`; a sha256
     mismatch is read again (a corrupted GET on the wire is transient, corrupt bytes at rest are not
     and fail every attempt)."""
@@ -383,8 +392,8 @@ def _verified_read(get: Callable[[], tuple[Any, int]], f: dict[str, Any], name: 
                 raise CorruptArtifact(f"{name} is corrupt ({READ_ATTEMPTS} reads): {e}") from None
             log.warning("%s: read %d/%d did not verify (%s); reading again", name, attempt, READ_ATTEMPTS, e)
             continue
-        if size != f["size"]:
-            raise CorruptArtifact(f"{name} is corrupt: size {size} != manifest's {f['size']}")
+        if size != f.size:
+            raise CorruptArtifact(f"{name} is corrupt: size {size} != manifest's {f.size}")
         return value
 
 

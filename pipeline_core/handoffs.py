@@ -8,7 +8,7 @@ default so manifests committed before it still read.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,7 +22,21 @@ IGNORE_INDEX = -100
 
 
 class _Handoff(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    # populate_by_name: writers build a model by its field names, the JSON on disk keeps its keys (aliases)
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The model as it lies in a manifest (its on-disk keys)."""
+        return self.model_dump(mode="json", by_alias=True)
+
+    @classmethod
+    def read(cls, data: Any) -> Self:
+        """The model from JSON as written: its on-disk keys only (a field's Python name is no key there)."""
+        return cls.model_validate(data, by_name=False)
+
+
+class UnbalancedCounts(RuntimeError):
+    """Row counts that lose or invent records: in != out + sum(rejected)."""
 
 
 class StageCounts(_Handoff):
@@ -48,9 +62,22 @@ class StageCounts(_Handoff):
     def to_counts(self) -> dict[str, Any]:
         return {"in": self.rows_in, "out": self.rows_out, "rejected": dict(sorted(self.rejected.items()))}
 
+    def require_balanced(self, what: str = "") -> StageCounts:
+        """self, or UnbalancedCounts: where a stage commits rows, none may be lost."""
+        if not self.balanced:
+            raise UnbalancedCounts(
+                f"{what + ': ' if what else ''}row counts do not add up: in={self.rows_in} != out={self.rows_out} "
+                f"+ rejected={self.rejected_total} {dict(sorted(self.rejected.items()))}")
+        return self
+
+    def plus_rejected(self, reason: str, rows: int) -> StageCounts:
+        """`rows` more in, all rejected for `reason` (rows a reader lost before it could count them)."""
+        return StageCounts(rows_in=self.rows_in + rows, rows_out=self.rows_out,
+                           rejected={**self.rejected, reason: self.rejected.get(reason, 0) + rows})
+
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> StageCounts:
-        return cls.model_validate(manifest.counts or {})
+        return cls.read(manifest.counts or {})
 
     @classmethod
     def of(cls, manifest: Manifest) -> StageCounts | None:
@@ -71,8 +98,23 @@ class FileEntry(_Handoff):
         return {"path": self.path, "size": self.size, "sha256": self.sha256}
 
     @classmethod
-    def all_of(cls, manifest: Manifest) -> tuple[FileEntry, ...]:
-        return tuple(cls.model_validate(f) for f in manifest.files)
+    def all_of(cls, manifest: Manifest, prefix: str = "") -> tuple[FileEntry, ...]:
+        """The manifest's files (those whose path starts with `prefix`)."""
+        return tuple(e for e in map(cls.read, manifest.files) if e.path.startswith(prefix))
+
+    @classmethod
+    def named(cls, manifest: Manifest, path: str) -> FileEntry | None:
+        return next((e for e in cls.all_of(manifest) if e.path == path), None)
+
+
+class RowsPerSplit(_Handoff):
+    """A manifest's `counts` for an artifact that annotates rows without keeping or rejecting any
+    (the DPO reference log-probs): rows per split."""
+
+    rows: dict[str, int] = Field(default_factory=dict)
+
+    def to_counts(self) -> dict[str, Any]:
+        return {"rows": dict(self.rows)}
 
 
 class TokenizerSpec(_Handoff):
@@ -134,7 +176,7 @@ class TrainReadyInfo(_Handoff):
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> TrainReadyInfo:
-        return cls.model_validate(manifest.extra or {})
+        return cls.read(manifest.extra or {})
 
     @classmethod
     def of(cls, manifest: Manifest) -> TrainReadyInfo | None:
@@ -145,6 +187,121 @@ class TrainReadyInfo(_Handoff):
             return cls.from_manifest(manifest)
         except ValidationError:
             return None
+
+
+class _ExtraPart(_Handoff):
+    """Keys of a manifest's `extra` that one stage writes and other modules read: the writer merges
+    `to_extra()` into the extra it commits, every reader calls `from_manifest`. Only the fields a
+    writer set are written (`exclude_unset`), so the JSON on disk is what the dict literals were."""
+
+    def to_extra(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> Self:
+        return cls.read(manifest.extra or {})
+
+
+class PackedSplit(_Handoff):
+    """One split of a train-ready artifact as packed (`extra.splits[<split>]`, spark_jobs/filter/train_ready.py)."""
+
+    records: int = Field(0, ge=0, description="kept records")
+    documents: int = Field(0, ge=0)
+    rows: int = Field(0, ge=0, description="packed rows of seq_len tokens")
+    files: int = Field(0, ge=0)
+    doc_tokens: int = Field(0, ge=0)
+    answer_tokens: int = Field(0, ge=0)
+    truncated: int = Field(0, ge=0)
+    slots: int = Field(0, ge=0, description="rows * seq_len")
+    packing_efficiency: float | None = None
+
+
+class TrainReadySplits(_ExtraPart):
+    """The train-ready manifest's per-split packing statistics (also in manifests older than TrainReadyInfo)."""
+
+    splits: dict[str, PackedSplit] = Field(default_factory=dict)
+
+
+class SourceSplit(_Handoff):
+    """One input split as the filter saw it (`extra.source_splits[<split>]`, issue 28)."""
+
+    rows_in: int = Field(0, alias="in", ge=0)
+    rows_out: int = Field(0, alias="out", ge=0)
+    rejected: dict[str, int] = Field(default_factory=dict)
+    measured: int = Field(0, ge=0, description="records whose rendered length was measured")
+    fit_seq_len_with_reasoning: int = Field(0, ge=0)
+    fit_seq_len_without_reasoning: int = Field(0, ge=0)
+
+
+class FilterSourceSplits(_ExtraPart):
+    """The filter stage's per-input-split accounting (written by the Spark filter only)."""
+
+    source_splits: dict[str, SourceSplit] = Field(default_factory=dict)
+
+
+class PromptSourceOutcome(_Handoff):
+    """One seed dataset named by withheld prompts (`extra.prompt_sources[<hub id>]`, enrich):
+    where it came from (when configured) and how many prompts it restored."""
+
+    uri: str | None = None
+    config_key: str
+    recipes: list[str] | None = None
+    rows: int | None = None
+    files: list[FileEntry] | None = None
+    downloaded_to: str | None = None
+    restored: int = Field(0, ge=0)
+    unrestorable: int = Field(0, ge=0)
+    outcomes: dict[str, int] = Field(default_factory=dict, description="restore status -> rows")
+
+
+class EnrichedInfo(_ExtraPart):
+    """What the enrich stage promises other modules in its manifest's `extra` (per-split counts,
+    withheld prompts restored per seed source)."""
+
+    objective: str = Field("sft", description="sft, or dpo: the rows carry a rejected answer too")
+    splits: dict[str, StageCounts] = Field(default_factory=dict, description="input split -> in/out/rejected")
+    prompt_sources: dict[str, PromptSourceOutcome] = Field(default_factory=dict)
+
+
+class SplitAccount(_Handoff):
+    """One input split through both data stages (reports.facts.source_split_rows; the data report and
+    the run summary show it): rows in, rejects by '<stage>:<reason>', kept, and the length fit."""
+
+    rows_in: int = Field(0, alias="in")
+    rejected: dict[str, int] = Field(default_factory=dict)
+    kept: int | None = None
+    measured: int | None = None
+    fit_with: int | None = None
+    fit_without: int | None = None
+
+
+class Headline(_Handoff):
+    """A data report's headline figures (report manifest `extra.headline`; the approval request and
+    the run note show them)."""
+
+    records_in: int
+    enriched: int
+    kept: int
+    rejected: dict[str, int] = Field(default_factory=dict, description="'<stage>:<reason>' -> rows")
+    tokens: dict[str, int] = Field(default_factory=dict)
+    target_tokens: dict[str, int] = Field(default_factory=dict)
+    documents: dict[str, int] = Field(default_factory=dict)
+    val_documents: int = 0
+    packing_efficiency: float | None = None
+    seq_len: int = 0
+
+
+class DataReportInfo(_ExtraPart):
+    headline: Headline | None = None
+
+
+class ReportRef(_Handoff):
+    """The data report task's XCom: the report's URIs and headline, for the approval gate and the run note."""
+
+    uri: str
+    page: str = Field(description="store URI of the report page")
+    headline: Headline | None = None
+    view: str | None = Field(None, description="the page's browser address, when Airflow's [api] base_url is set")
 
 
 class MetricScore(_Handoff):
@@ -177,7 +334,7 @@ class BenchmarkResults(_Handoff):
 
     @classmethod
     def from_manifest(cls, manifest: Manifest) -> BenchmarkResults:
-        return cls.model_validate(manifest.extra or {})
+        return cls.read(manifest.extra or {})
 
     def score(self, task: str, metric: str) -> MetricScore | None:
         """`metric` as '<name>' (first filter reporting it) or '<name>,<filter>'."""

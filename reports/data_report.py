@@ -31,13 +31,20 @@ from pipeline_core.artifacts import (
     require_manifest,
 )
 from pipeline_core.config import StorageSection, load_config
-from pipeline_core.handoffs import TrainReadyInfo
+from pipeline_core.handoffs import (
+    DataReportInfo,
+    EnrichedInfo,
+    Headline,
+    ReportRef,
+    StageCounts,
+    TrainReadyInfo,
+    TrainReadySplits,
+)
 from reports import charts
 from reports.facts import (
     NEAR_DUPLICATE,
     NO_SPLIT,
     SIM_COLUMNS,
-    Headline,
     NearDuplicate,
     ReportFacts,
     document_lengths,
@@ -154,10 +161,10 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
         tok = load_tokenizer(tok_spec)
         example = mask_spans(best[0], best[1], tok.decode)
 
-    splits = tr.extra.get("splits") or {}
-    counts_in = int(en.counts.get("in", 0))
+    splits = TrainReadySplits.from_manifest(tr).splits
+    en_counts, tr_counts = StageCounts.from_manifest(en), StageCounts.from_manifest(tr)
     headline = Headline(
-        records_in=counts_in, enriched=int(en.counts.get("out", 0)), kept=int(tr.counts.get("out", 0)),
+        records_in=en_counts.rows_in, enriched=en_counts.rows_out, kept=tr_counts.rows_out,
         rejected={k: sum(v.values()) for k, v in sorted(rejects_by_split.items())},
         tokens=tokens, target_tokens=targets, documents=docs, val_documents=int(docs.get("val", 0)),
         packing_efficiency=(info.packing_efficiency if info and info.packing_efficiency is not None
@@ -173,14 +180,14 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
                     "near_dup_threshold": fcfg.get("near_dup_threshold")},
         near_duplicates=pairs[:NEAR_DUP_SAMPLE], near_duplicate_scores=scores, doc_lengths=lengths,
         doc_lengths_sampled_rows=sampled,
-        packing_by_split={s: v.get("packing_efficiency") for s, v in splits.items()},
+        packing_by_split={s: v.packing_efficiency for s, v in splits.items()},
         example=example, example_split=example_split,
         decontamination=info.decontamination if info else None,
         near_dup_guard=(tr.extra.get("near_duplicates") or {}).get("guard"),
         guard_by_split=guard_by_split(tr.extra.get("near_duplicates"), pairs, near_split, question_of, GUARD_EXAMPLES),
         length_fit=tr.extra.get("length_fit") or {},
-        source_splits=source_split_rows(en, tr), prompt_sources=en.extra.get("prompt_sources") or {},
-        withheld_without_key=int((en.counts.get("rejected") or {}).get("prompt_withheld", 0)),
+        source_splits=source_split_rows(en, tr), prompt_sources=EnrichedInfo.from_manifest(en).prompt_sources,
+        withheld_without_key=en_counts.rejected.get("prompt_withheld", 0),
     )
 
 
@@ -229,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config)
     m = build(args.input, args.output, args.enriched, cfg.storage)
-    print(json.dumps({"uri": m.uri, "page": report_page_uri(m), "headline": m.extra.get("headline")}))
+    ref = ReportRef(uri=m.uri, page=report_page_uri(m), headline=DataReportInfo.from_manifest(m).headline)
+    print(json.dumps(ref.model_dump(mode="json", exclude={"view"})))
     return 0
 
 

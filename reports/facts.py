@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,17 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from pipeline_core.artifacts import Manifest
-from pipeline_core.handoffs import IGNORE_INDEX, DecontamInfo, TrainReadyInfo
+from pipeline_core.handoffs import (
+    IGNORE_INDEX,
+    DecontamInfo,
+    EnrichedInfo,
+    FilterSourceSplits,
+    Headline,
+    PromptSourceOutcome,
+    SplitAccount,
+    TrainReadyInfo,
+    TrainReadySplits,
+)
 
 SIM_COLUMNS = ("sim_question_answer", "sim_context_question", "sim_context_answer")
 NEAR_DUPLICATE = "near_duplicate"
@@ -54,22 +64,6 @@ class Span:
     trained: bool
 
 
-@dataclass(frozen=True)
-class Headline:
-    """The numbers the approval gate shows next to the report link."""
-
-    records_in: int
-    enriched: int
-    kept: int
-    rejected: dict[str, int]
-    tokens: dict[str, int]
-    target_tokens: dict[str, int]
-    documents: dict[str, int]
-    val_documents: int
-    packing_efficiency: float | None
-    seq_len: int
-
-
 @dataclass
 class ReportFacts:
     dataset_version: str
@@ -92,44 +86,44 @@ class ReportFacts:
     guard_by_split: list[GuardSplit] = field(default_factory=list)
     length_fit: dict[str, Any] = field(default_factory=dict)  # the manifest's length_fit (issue 29)
     # per input split (issue 28): enrich's rows in / rejects, the filter's rejects and seq_len fit
-    source_splits: dict[str, dict[str, Any]] = field(default_factory=dict)
-    prompt_sources: dict[str, dict[str, Any]] = field(default_factory=dict)  # enrich's restored / unrestorable
+    source_splits: dict[str, SplitAccount] = field(default_factory=dict)
+    prompt_sources: dict[str, PromptSourceOutcome] = field(default_factory=dict)  # enrich's restored / unrestorable
     withheld_without_key: int = 0  # enrich's prompt_withheld rejects: no seed key (v1 "-" / empty prompts)
 
     def to_extra(self) -> dict[str, Any]:
-        return {"headline": asdict(self.headline), "dataset_version": self.dataset_version,
+        return {"headline": self.headline.to_json_dict(), "dataset_version": self.dataset_version,
                 "thresholds": self.thresholds, "near_duplicates_shown": len(self.near_duplicates),
                 "decontamination": self.decontamination.model_dump(mode="json") if self.decontamination else None,
                 "near_dup_guard": self.near_dup_guard,
                 "guard_saved_pairs_by_split": {g.split: g.saved_pairs for g in self.guard_by_split},
-                "source_splits": self.source_splits, "withheld_without_key": self.withheld_without_key,
-                "prompt_sources": {k: {"restored": v.get("restored", 0), "unrestorable": v.get("unrestorable", 0)}
+                "source_splits": {k: v.to_json_dict() for k, v in self.source_splits.items()},
+                "withheld_without_key": self.withheld_without_key,
+                "prompt_sources": {k: {"restored": v.restored, "unrestorable": v.unrestorable}
                                    for k, v in self.prompt_sources.items()}}
 
 
-def source_split_rows(enriched: Manifest, train_ready: Manifest) -> dict[str, dict[str, Any]]:
+def source_split_rows(enriched: Manifest, train_ready: Manifest) -> dict[str, SplitAccount]:
     """Per input split: rows in, rejects by "<stage>:<reason>", kept, and how many rendered
     conversations fit seq_len with and without reasoning (the filter's `extra.source_splits`)."""
-    out: dict[str, dict[str, Any]] = {}
-    for split, c in (enriched.extra.get("splits") or {}).items():
-        out[split or "(unnamed)"] = {"in": c.get("in", 0), "rejected": {f"enrich:{r}": n for r, n in c.get("rejected", {}).items()},
-                                     "kept": None, "measured": None, "fit_with": None, "fit_without": None}
-    for split, c in (train_ready.extra.get("source_splits") or {}).items():
-        row = out.setdefault(split or "(unnamed)", {"in": c.get("in", 0), "rejected": {}})
-        row["rejected"].update({f"filter:{r}": n for r, n in c.get("rejected", {}).items()})
-        row.update(kept=c.get("out"), measured=c.get("measured"), fit_with=c.get("fit_seq_len_with_reasoning"),
-                   fit_without=c.get("fit_seq_len_without_reasoning"))
+    out: dict[str, SplitAccount] = {}
+    for split, c in EnrichedInfo.from_manifest(enriched).splits.items():
+        out[split or "(unnamed)"] = SplitAccount(rows_in=c.rows_in, rejected={f"enrich:{r}": n for r, n in c.rejected.items()})
+    for split, f in FilterSourceSplits.from_manifest(train_ready).source_splits.items():
+        row = out.get(split or "(unnamed)") or SplitAccount(rows_in=f.rows_in)
+        out[split or "(unnamed)"] = SplitAccount(
+            rows_in=row.rows_in, rejected={**row.rejected, **{f"filter:{r}": n for r, n in f.rejected.items()}},
+            kept=f.rows_out, measured=f.measured, fit_with=f.fit_seq_len_with_reasoning,
+            fit_without=f.fit_seq_len_without_reasoning)
     return dict(sorted(out.items()))
 
 
 
 def split_tokens(manifest: Manifest, info: TrainReadyInfo | None) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """(tokens, target tokens, documents) per split, from the typed hand-off or the older extra."""
-    splits = manifest.extra.get("splits") or {}
-    tokens = dict(info.tokens) if info and info.tokens else {s: int(v.get("doc_tokens", 0)) for s, v in splits.items()}
-    targets = (dict(info.target_tokens) if info and info.target_tokens
-               else {s: int(v.get("answer_tokens", 0)) for s, v in splits.items()})
-    docs = dict(info.documents) if info and info.documents else {s: int(v.get("documents", 0)) for s, v in splits.items()}
+    splits = TrainReadySplits.from_manifest(manifest).splits
+    tokens = dict(info.tokens) if info and info.tokens else {s: v.doc_tokens for s, v in splits.items()}
+    targets = dict(info.target_tokens) if info and info.target_tokens else {s: v.answer_tokens for s, v in splits.items()}
+    docs = dict(info.documents) if info and info.documents else {s: v.documents for s, v in splits.items()}
     return tokens, targets, docs
 
 

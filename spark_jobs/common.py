@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline_core import uris
 from pipeline_core.artifacts import ArtifactConflict, Manifest, publish_artifact, read_manifest
 from pipeline_core.config import Config, StorageSection, stable_hash
+from pipeline_core.handoffs import StageCounts
 from pipeline_core.layout import staging_dir
 from pipeline_core.store import require_conditional_writes
 from spark_jobs.staging import AttemptStaging, sweep_dead_attempts
@@ -228,14 +229,11 @@ def reject_counts(path: Path) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def artifact_counts(n_in: int, staging: Path, data: str = "data", rejects: str = "rejects") -> dict[str, Any]:
-    """The manifest's counts `{"in", "out", "rejected": {reason: n}}` from what was written; raises
+def artifact_counts(n_in: int, staging: Path, data: str = "data", rejects: str = "rejects") -> StageCounts:
+    """The manifest's counts (in, out, rejected by reason) from what was written; raises
     when in != out + rejected (a record was lost or duplicated)."""
-    out = parquet_rows(staging / data)
-    rejected = reject_counts(staging / rejects)
-    if n_in != out + sum(rejected.values()):
-        raise RuntimeError(f"row counts do not add up: in={n_in}, out={out}, rejected={rejected}")
-    return {"in": n_in, "out": out, "rejected": rejected}
+    return StageCounts(rows_in=n_in, rows_out=parquet_rows(staging / data),
+                       rejected=reject_counts(staging / rejects)).require_balanced()
 
 
 class StageTimer:
@@ -268,7 +266,7 @@ def publish(
     *,
     kind: str,
     config: dict[str, Any],
-    counts: dict[str, Any],
+    counts: StageCounts,
     storage: StorageSection | None,
     timings: dict[str, float] | None = None,
     extra: dict[str, Any] | None = None,
@@ -276,8 +274,7 @@ def publish(
 ) -> Manifest:
     m = publish_artifact(staging, output_uri, kind=kind, config=config, inputs=list(inputs), counts=counts,
                          extra=extra, timings=timings, storage=storage)
-    log.info("published %s: in=%s out=%s rejected=%s", output_uri, counts.get("in"), counts.get("out"),
-             counts.get("rejected"))
+    log.info("published %s: in=%s out=%s rejected=%s", output_uri, counts.rows_in, counts.rows_out, counts.rejected)
     return m
 
 
@@ -285,12 +282,10 @@ class StageFailed(RuntimeError):
     """The stage's output must not be committed (empty, or too many rejects); carries the counts."""
 
 
-def check_counts(counts: dict[str, Any], max_reject_ratio: float, stage: str) -> None:
+def check_counts(counts: StageCounts, max_reject_ratio: float, stage: str) -> None:
     """in = out + rejected; a non-empty output; rejects at most `max_reject_ratio` of the input."""
-    n_in, n_out, rejected = counts["in"], counts["out"], counts.get("rejected", {})
-    n_rej = sum(rejected.values())
-    if n_in != n_out + n_rej:
-        raise RuntimeError(f"[{stage}] row counts do not add up: in={n_in}, out={n_out}, rejected={rejected}")
+    counts.require_balanced(f"[{stage}]")
+    n_in, n_out, rejected, n_rej = counts.rows_in, counts.rows_out, counts.rejected, counts.rejected_total
     if n_out == 0:
         raise StageFailed(f"[{stage}] nothing to publish: {n_in} rows in, 0 out, rejected {rejected}; "
                           "an empty artifact is never committed (check the input and the thresholds)")
@@ -323,7 +318,7 @@ class StageContext:
 class StageOutput:
     """What `compute` returns: the manifest's counts and extra, and the input artifacts it read."""
 
-    counts: dict[str, Any]
+    counts: StageCounts
     extra: dict[str, Any]
     inputs: tuple[str, ...] = ()
 

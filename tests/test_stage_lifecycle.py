@@ -22,6 +22,7 @@ import pytest
 from pipeline_core import uris
 from pipeline_core.artifacts import read_manifest
 from pipeline_core.config import load_config
+from pipeline_core.handoffs import StageCounts
 from spark_jobs import common
 from spark_jobs.staging import (
     OWNER_SUFFIX,
@@ -107,7 +108,7 @@ def _compute(seen: dict):
         seen["owner"], seen["staging"] = owner, ctx.staging
         (ctx.staging / "data").mkdir()
         pq.write_table(pa.table({"id": ["a"]}), ctx.staging / "data" / "part-00000-c000.parquet")
-        return common.StageOutput({"in": 1, "out": 1, "rejected": {}}, {})
+        return common.StageOutput(StageCounts(rows_in=1, rows_out=1), {})
     return compute
 
 

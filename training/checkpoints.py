@@ -227,7 +227,7 @@ def check_local_copy(dest: Path, manifest: Manifest) -> None:
     """The downloaded checkpoint directory holds exactly the manifest's files (each was checked
     against its signed sha256 on download): anything else there (left by an earlier partial
     download, planted) is removed before DeepSpeed globs the directory."""
-    listed = {dest / f["path"] for f in manifest.files}
+    listed = {dest / p for p in manifest.file_paths()}
     for p in sorted(dest.rglob("*"), reverse=True):
         if (p.is_file() or p.is_symlink()) and p not in listed:
             log.warning("removing %s from the checkpoint copy: not a file of its signed manifest", p)

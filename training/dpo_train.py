@@ -25,6 +25,7 @@ import torch
 
 from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact, publish_artifact, read_manifest
+from pipeline_core.handoffs import RowsPerSplit
 from training.collectives import broadcast, gather_value
 from training.dpo_data import PairMicroBatches
 from training.dpo_loss import DPOLoss, DPOMetrics
@@ -205,7 +206,7 @@ def ensure_reference(trainer, shard_sets: dict[str, Any], resumed: bool) -> dict
         if trainer.lease is not None:  # a trainer that lost its run's lease commits nothing
             trainer.lease.check()
         publish_artifact(local, uri, kind=REFERENCE_KIND, inputs=[plan.input_uri],
-                         counts={"rows": {s: int(v[0].shape[0]) for s, v in results.items()}},
+                         counts=RowsPerSplit(rows={s: int(v[0].shape[0]) for s, v in results.items()}),
                          extra={"model_sha256": model_sha, "seq_len": trainer.t.seq_len,
                                 "columns": {"chosen": "summed log-prob of the chosen side's trained tokens",
                                             "rejected": "the same, rejected side"}},

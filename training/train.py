@@ -179,7 +179,7 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
         raise TrainConfigError(f"--input {input_uri}: no committed train-ready artifact there (no _manifest.json)")
     if manifest.kind != "train-ready":
         raise TrainConfigError(f"--input {input_uri}: is a {manifest.kind!r} artifact, expected 'train-ready'")
-    if not any(f["path"].startswith("data/train/") for f in manifest.files):
+    if not manifest.file_paths("data/train/"):
         raise TrainConfigError(f"--input {input_uri}: artifact has no data/train/*.parquet files")
     info = TrainReadyInfo.of(manifest)
     try:

@@ -18,6 +18,7 @@ from typing import Any
 from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk.exceptions import AirflowSkipException
 
+from pipeline_core.handoffs import ReportRef
 from plugins.mft_airflow.report_links import REPORT_TASK_ID
 from plugins.mft_airflow.report_task import report_link
 from plugins.mft_airflow.run_plan import RunPlan
@@ -32,24 +33,26 @@ def _plan(context: Any) -> RunPlan:
     return pull_plan(context)
 
 
-def gate_text(plan: RunPlan, report: dict[str, Any] | None) -> tuple[str, str]:
+def gate_text(plan: RunPlan, report: ReportRef | None) -> tuple[str, str]:
     """(subject, Markdown body) of the approval request."""
     subject = f"Train {plan.run_id} on dataset {plan.dataset_version}?"
-    if not report:
+    if report is None:
         return subject, f"No data report was committed for `{plan.train_ready_uri}`."
-    h = report.get("headline") or {}
-    rejected = ", ".join(f"{k} {v}" for k, v in sorted((h.get("rejected") or {}).items())) or "none"
-    tokens = ", ".join(f"{k} {v:,}" for k, v in sorted((h.get("tokens") or {}).items()))
-    eff = h.get("packing_efficiency")
+    h = report.headline
+    if h is None:
+        return subject, f"**Data report**: {report_link(report)} (no headline figures)"
+    rejected = ", ".join(f"{k} {v}" for k, v in sorted(h.rejected.items())) or "none"
+    tokens = ", ".join(f"{k} {v:,}" for k, v in sorted(h.tokens.items()))
+    eff = h.packing_efficiency
     body = "\n".join([
         f"**Data report**: {report_link(report)}",
         "",
         "| | |", "|---|---|",
-        f"| records in → enriched → kept | {h.get('records_in')} → {h.get('enriched')} → {h.get('kept')} |",
+        f"| records in → enriched → kept | {h.records_in} → {h.enriched} → {h.kept} |",
         f"| rejected | {rejected} |",
-        f"| tokens | {tokens} (seq_len {h.get('seq_len')}) |",
-        f"| val documents | {h.get('val_documents')} |",
-        f"| packing efficiency | {eff:.1%} |" if isinstance(eff, float) else "| packing efficiency | n/a |",
+        f"| tokens | {tokens} (seq_len {h.seq_len}) |",
+        f"| val documents | {h.val_documents} |",
+        f"| packing efficiency | {eff:.1%} |" if eff is not None else "| packing efficiency | n/a |",
         "",
         f"Approve to train `{plan.run_id}` on `{plan.train_ready_uri}`; Reject ends the run without "
         "training (give the reason).",
@@ -75,8 +78,9 @@ class ApprovalGateOperator(ApprovalOperator):
             params={REASON: Param("", type="string", title="Reason", description="Why (kept with the decision)")},
             **kwargs)
 
-    def _report(self, context: Any) -> dict[str, Any] | None:
-        return context["ti"].xcom_pull(task_ids=REPORT_TASK_ID)
+    def _report(self, context: Any) -> ReportRef | None:
+        pulled = context["ti"].xcom_pull(task_ids=REPORT_TASK_ID)
+        return ReportRef.read(pulled) if pulled else None
 
     def execute(self, context: Any) -> Any:
         from plugins.mft_airflow.plan import load_plan_config

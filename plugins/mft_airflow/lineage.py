@@ -36,13 +36,14 @@ def lineage(inputs: list[str], outputs: list[tuple[str, Manifest | None]]) -> An
     )
     from airflow.providers.openlineage.extractors import OperatorLineage
 
+    from pipeline_core.handoffs import FileEntry, StageCounts
+
     outs = []
     for uri, manifest in outputs:
         facets = {}
         if manifest is not None:
-            rows = (manifest.counts or {}).get("out")
+            counts, files = StageCounts.of(manifest), FileEntry.all_of(manifest)
             facets["outputStatistics"] = OutputStatisticsOutputDatasetFacet(
-                rowCount=rows if isinstance(rows, int) else None,
-                size=sum(int(f.get("size", 0)) for f in manifest.files), fileCount=len(manifest.files))
+                rowCount=counts.rows_out if counts else None, size=sum(f.size for f in files), fileCount=len(files))
         outs.append(OutputDataset(*dataset_id(uri), outputFacets=facets))
     return OperatorLineage(inputs=[InputDataset(*dataset_id(u)) for u in inputs], outputs=outs)

@@ -19,6 +19,7 @@ from typing import Any
 from airflow.sdk import BaseOperator, BaseOperatorLink
 from airflow.sdk.exceptions import AirflowSkipException
 
+from pipeline_core.handoffs import ReportRef
 from plugins.mft_airflow.report_links import report_view_url
 from plugins.mft_airflow.run_plan import RunPlan
 
@@ -56,6 +57,7 @@ class DataReportOperator(BaseOperator):
 
     def execute(self, context: Any) -> dict[str, Any]:
         from pipeline_core.artifacts import read_manifest
+        from pipeline_core.handoffs import DataReportInfo
         from plugins.mft_airflow.plan import load_plan_config
         from reports.data_report import build, report_page_uri
 
@@ -66,13 +68,13 @@ class DataReportOperator(BaseOperator):
         m = build(plan.train_ready_uri, storage=storage)
         self._lineage = ([plan.train_ready_uri], [(m.uri, m)])
         dag_run = context["dag_run"]
-        out = {"uri": m.uri, "page": report_page_uri(m), "headline": m.extra.get("headline"),
-               "view": _view_url(dag_run.dag_id, dag_run.run_id)}
-        self.log.info("data report: %s (in a browser: %s)", out["page"], out["view"] or "set [api] base_url")
+        out = ReportRef(uri=m.uri, page=report_page_uri(m), headline=DataReportInfo.from_manifest(m).headline,
+                        view=_view_url(dag_run.dag_id, dag_run.run_id))
+        self.log.info("data report: %s (in a browser: %s)", out.page, out.view or "set [api] base_url")
         note = run_note(getattr(dag_run, "note", None), out)
         if note is not None:
             set_run_note(self.api_conn_id, dag_run.dag_id, dag_run.run_id, note, self.log)
-        return out
+        return out.to_json_dict()  # XCom: read back with ReportRef.read
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
         """Input: the train-ready artifact; output: the committed report (issue 19: every operator)."""
@@ -90,22 +92,22 @@ def _view_url(dag_id: str, run_id: str) -> str | None:
     return report_view_url(base, dag_id, run_id) if base else None
 
 
-def report_link(report: dict[str, Any]) -> str:
+def report_link(report: ReportRef) -> str:
     """Markdown: the store URI as the text, the browser address as the target when there is one."""
-    return f"[{report['page']}]({report.get('view') or report['page']})"
+    return f"[{report.page}]({report.view or report.page})"
 
 
-def run_note(current: str | None, report: dict[str, Any]) -> str | None:
+def run_note(current: str | None, report: ReportRef) -> str | None:
     """The run's note with the report's link and headline appended; None when it already has them
     (a retry) -- a note a person wrote stays, above."""
-    if current and report["page"] in current:
+    if current and report.page in current:
         return None
-    h = report.get("headline") or {}
-    eff = h.get("packing_efficiency")
-    line = (f"{NOTE_MARK}: {report_link(report)}  \n"
-            f"{h.get('records_in')} records → {h.get('enriched')} enriched → {h.get('kept')} kept; "
-            f"tokens {', '.join(f'{k} {v:,}' for k, v in sorted((h.get('tokens') or {}).items()))}"
-            + (f"; packing {eff:.1%}" if isinstance(eff, float) else ""))
+    line = f"{NOTE_MARK}: {report_link(report)}"
+    if (h := report.headline) is not None:
+        eff = h.packing_efficiency
+        line += (f"  \n{h.records_in} records → {h.enriched} enriched → {h.kept} kept; "
+                 f"tokens {', '.join(f'{k} {v:,}' for k, v in sorted(h.tokens.items()))}"
+                 + (f"; packing {eff:.1%}" if eff is not None else ""))
     both = f"{current.rstrip()}\n\n{line}" if current else line
     return both if len(both) <= NOTE_MAX_CHARS else line[:NOTE_MAX_CHARS]
 

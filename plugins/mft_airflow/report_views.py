@@ -22,7 +22,9 @@ import mimetypes
 from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, HTTPException, Response
+from pydantic import ValidationError
 
+from pipeline_core.handoffs import ReportRef
 from plugins.mft_airflow.report_links import REPORT_TASK_ID
 
 
@@ -41,8 +43,10 @@ def _run_report_uri(dag_id: str, run_id: str) -> str | None:
         row = session.scalars(XComModel.get_many(run_id=run_id, dag_ids=dag_id, task_ids=REPORT_TASK_ID,
                                                  key="return_value", limit=1)).first()
         value = XComModel.deserialize_value(row) if row is not None else None
-    uri = value.get("uri") if isinstance(value, dict) else None
-    return uri if isinstance(uri, str) else None
+    try:
+        return ReportRef.read(value).uri
+    except ValidationError:  # no report, or not the report task's XCom
+        return None
 
 
 def read_report_file(dag_id: str, run_id: str, path: str) -> ReportFile:

@@ -59,12 +59,13 @@ def pull_plan(context: Any) -> RunPlan:
 
 def asset_extra(plan: RunPlan, manifest: Any, reused: bool) -> dict[str, Any]:
     """Asset-event `extra`: what downstream consumers schedule and filter on (rows, tokens)."""
-    from pipeline_core.handoffs import TrainReadyInfo
+    from pipeline_core.handoffs import StageCounts, TrainReadyInfo
 
-    counts = manifest.counts or {}
+    counts = StageCounts.of(manifest)
     extra: dict[str, Any] = {"dataset_version": plan.dataset_version, "manifest_sha256": manifest.sha256,
-                             "reused": reused, "rows_in": counts.get("in"), "rows_out": counts.get("out"),
-                             "rows_rejected": sum((counts.get("rejected") or {}).values())}
+                             "reused": reused, "rows_in": counts.rows_in if counts else None,
+                             "rows_out": counts.rows_out if counts else None,
+                             "rows_rejected": counts.rejected_total if counts else 0}
     if manifest.kind == "train-ready":
         try:
             info = TrainReadyInfo.from_manifest(manifest)

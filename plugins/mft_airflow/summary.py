@@ -25,6 +25,7 @@ from pipeline_core.artifacts import (
     require_manifest,
 )
 from pipeline_core.config import DPOSettings, ReleaseSection, StorageSection, TrackingSection, load_config
+from pipeline_core.handoffs import FileEntry
 from pipeline_core.pointers import read_pointer
 from pipeline_core.store import open_store
 from plugins.mft_airflow.run_plan import RunPlan
@@ -39,7 +40,7 @@ def _losses(report_uri: str, storage: StorageSection | None) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {k: v for k, v in report.extra.items() if v is not None}
     def table(name: str, column: str) -> list[dict[str, str]]:
-        path = next((f["path"] for f in report.files if f["path"].endswith(name)), None)
+        path = next((p for p in report.file_paths() if p.endswith(name)), None)
         if path is None:
             return []
         text = read_artifact_file(report, path, storage).decode()
@@ -140,6 +141,7 @@ def _publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str
     model = require_manifest(plan.model_uri, storage)
     if model.kind != "model":
         raise ArtifactError(f"{plan.model_uri} is a {model.kind!r} artifact, not a model")
+    model_files = FileEntry.all_of(model)
     summary = {
         "dataset_version": plan.dataset_version,
         "run_id": plan.run_id,
@@ -150,8 +152,8 @@ def _publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str
         "data_report": data_report_link(plan, storage),
         "sources": _sources(plan, storage),
         "train": {"run_uri": plan.run_uri, **_losses(layout.report_uri(plan.run_uri), storage)},
-        "model": {"uri": plan.model_uri, "files": len(model.files),
-                  "bytes": sum(f["size"] for f in model.files), "manifest_sha256": model.sha256},
+        "model": {"uri": plan.model_uri, "files": len(model_files),
+                  "bytes": sum(f.size for f in model_files), "manifest_sha256": model.sha256},
         "eval": _benchmarks(plan.run_uri, storage),
     }
     if tracker is not None:

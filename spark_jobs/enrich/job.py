@@ -40,6 +40,7 @@ if __package__ in (None, ""):
 from pipeline_core import uris
 from pipeline_core.artifacts import Manifest
 from pipeline_core.config import Config, EnrichSection, load_config
+from pipeline_core.handoffs import EnrichedInfo, PromptSourceOutcome, StageCounts
 from spark_jobs.common import (
     StageContext,
     StageOutput,
@@ -265,7 +266,7 @@ def run(input_uri: str, output_uri: str, cfg: Config, spark: SparkSession | None
                   lambda ctx: _compute(ctx, input_uri, cfg), spark=spark)
     total = (m.timings or {}).get("total_s")
     if total:
-        log.info("[enrich] %.1f records/s overall", m.counts["in"] / max(total, 1e-9))
+        log.info("[enrich] %.1f records/s overall", StageCounts.from_manifest(m).rows_in / max(total, 1e-9))
     return m
 
 
@@ -355,11 +356,9 @@ def _compute(ctx: StageContext, input_uri: str, cfg: Config) -> StageOutput:
     counts = artifact_counts(n_in, staging)
     lost = [v["expected"] - v["read"] for v in (source.get("corrupt_files") or {}).values() if v["expected"] is not None]
     if source.get("corrupt_files"):  # accepted (read_records refuses otherwise): in = out + rejected still holds
-        counts["in"] += sum(lost)
-        counts["rejected"]["corrupt_input_file"] = sum(lost)
+        counts = counts.plus_rejected("corrupt_input_file", sum(lost))
     extra = {
         "schema": "enriched",
-        "objective": e.objective,
         "columns": [*CONTRACT_COLUMNS, *EXTRA_COLUMNS, *((*PAIR_COLUMNS, "sim_question_rejected") if pairs else ())],
         "extra_columns": {"question_embedding": "array<float> unit vector of the question",
                           "answer_embedding": "array<float> unit vector of the answer",
@@ -374,30 +373,26 @@ def _compute(ctx: StageContext, input_uri: str, cfg: Config) -> StageOutput:
         "embedding_dim": _embedding_dim(staging),
         "source": source,
         "stats": {"context_sentences": n_sent, "texts_embedded": n_sent + 2 * n_ok},
-        "splits": per_split,
         "licenses": dict(sorted(per_license.items())),
-        "prompt_sources": prompt_source_counts(restore_counts, source_infos),
+        **EnrichedInfo(objective=e.objective, splits=per_split, prompt_sources=prompt_source_counts(restore_counts, source_infos)).to_extra(),
     }
-    log.info("[enrich] %d records in, %d out, %d rejected %s", counts["in"], counts["out"],
-             sum(counts["rejected"].values()), counts["rejected"])
+    log.info("[enrich] %d records in, %d out, %d rejected %s", counts.rows_in, counts.rows_out,
+             counts.rejected_total, counts.rejected)
     return StageOutput(counts, extra)
 
 
-def split_counts(rows) -> dict[str, dict]:
-    """{split: {"in", "out", "rejected": {reason: n}}} from (split, reason, count) rows (reason null:
-    accepted); records of files not named by split count under "" ."""
-    out: dict[str, dict] = {}
+def split_counts(rows) -> dict[str, StageCounts]:
+    """Counts per input split from (split, reason, count) rows (reason null: accepted); records of
+    files not named by split count under "" ."""
+    out: dict[str, StageCounts] = {}
     for split, reason, n in sorted(((r[0] or "", r[1], int(r[2])) for r in rows), key=lambda r: (r[0], r[1] or "")):
-        c = out.setdefault(split, {"in": 0, "out": 0, "rejected": {}})
-        c["in"] += n
-        if reason is None:
-            c["out"] += n
-        else:
-            c["rejected"][reason] = n
+        c = out.setdefault(split, StageCounts(rows_in=0, rows_out=0))
+        out[split] = (c.plus_rejected(reason, n) if reason is not None
+                      else StageCounts(rows_in=c.rows_in + n, rows_out=c.rows_out + n, rejected=c.rejected))
     return out
 
 
-def prompt_source_counts(rows, infos: dict[str, prompt_sources.SourceInfo]) -> dict[str, dict]:
+def prompt_source_counts(rows, infos: dict[str, prompt_sources.SourceInfo]) -> dict[str, PromptSourceOutcome]:
     """Per seed dataset named by a withheld row: restored / unrestorable (by reason), and for a
     configured source its URI and files (size, sha256)."""
     by_source: dict[str, dict[str, int]] = {}
@@ -407,10 +402,10 @@ def prompt_source_counts(rows, infos: dict[str, prompt_sources.SourceInfo]) -> d
     for source in sorted(set(by_source) | set(infos)):
         counts = by_source.get(source, {})
         if source in infos:
-            out[source] = {**infos[source].as_manifest(counts), "outcomes": dict(sorted(counts.items()))}
+            out[source] = infos[source].as_manifest(counts)
         else:
-            out[source] = {"uri": None, "config_key": f"enrich.prompt_sources[{source!r}]", "restored": 0,
-                           "unrestorable": sum(counts.values()), "outcomes": dict(sorted(counts.items()))}
+            out[source] = PromptSourceOutcome(uri=None, config_key=f"enrich.prompt_sources[{source!r}]", restored=0,
+                                              unrestorable=sum(counts.values()), outcomes=dict(sorted(counts.items())))
     return out
 
 

@@ -22,9 +22,10 @@ import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pipeline_core import uris
+from pipeline_core.handoffs import FileEntry, PromptSourceOutcome
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -51,15 +52,16 @@ class SourceInfo:
     hub_id: str
     uri: str
     recipes: list[str] = field(default_factory=list)
-    files: list[dict[str, Any]] = field(default_factory=list)  # path, size, sha256
+    files: list[FileEntry] = field(default_factory=list)
     rows: int = 0
     downloaded_to: str | None = None
 
-    def as_manifest(self, counts: dict[str, int]) -> dict[str, Any]:
-        return {"uri": self.uri, "config_key": f"enrich.prompt_sources[{self.hub_id!r}]", "recipes": self.recipes,
-                "rows": self.rows, "files": self.files, "downloaded_to": self.downloaded_to,
-                "restored": counts.get(RESTORED, 0),
-                "unrestorable": sum(n for k, n in counts.items() if k != RESTORED)}
+    def as_manifest(self, counts: dict[str, int]) -> PromptSourceOutcome:
+        """`counts`: restore status -> rows of this source."""
+        return PromptSourceOutcome(
+            uri=self.uri, config_key=f"enrich.prompt_sources[{self.hub_id!r}]", recipes=self.recipes, rows=self.rows,
+            files=self.files, downloaded_to=self.downloaded_to, restored=counts.get(RESTORED, 0),
+            unrestorable=sum(n for k, n in counts.items() if k != RESTORED), outcomes=dict(sorted(counts.items())))
 
 
 def _local_copy(uri: str, dest: Path, storage: StorageSection | None, spark: SparkSession) -> str | None:
@@ -177,14 +179,13 @@ def seed_frame(spark: SparkSession, hub_id: str, files: list[str]) -> tuple[Data
                       F.col("_best.seed_system").alias("seed_system")), recipes
 
 
-def file_hashes(spark: SparkSession, files: list[str]) -> list[dict[str, Any]]:
-    """path, size and sha256 of each file, through Spark's binaryFile source (any file system)."""
+def file_hashes(spark: SparkSession, files: list[str]) -> list[FileEntry]:
+    """path (a URI here), size and sha256 of each file, through Spark's binaryFile source (any file system)."""
     from pyspark.sql import functions as F
 
     rows = (spark.read.format("binaryFile").load(files)
             .select("path", "length", F.sha2("content", 256).alias("sha256")).collect())
-    return sorted(({"path": r["path"], "size": int(r["length"]), "sha256": r["sha256"]} for r in rows),
-                  key=lambda d: d["path"])
+    return sorted((FileEntry(path=path, size=int(size), sha256=sha) for path, size, sha in rows), key=lambda f: f.path)
 
 
 def seeds(spark: SparkSession, sources: dict[str, str], staging: Path,

@@ -40,7 +40,14 @@ from pipeline_core.artifacts import (
     sha256_file,
 )
 from pipeline_core.config import Config, load_config
-from pipeline_core.handoffs import DecontamInfo
+from pipeline_core.handoffs import (
+    DecontamInfo,
+    EnrichedInfo,
+    FileEntry,
+    FilterSourceSplits,
+    SourceSplit,
+    StageCounts,
+)
 from pipeline_core.render_sample import SAMPLE_DIR, SAMPLE_SCHEMA, key_threshold
 from spark_jobs.common import (
     StageContext,
@@ -77,21 +84,21 @@ def _input_paths(input_uri: str, manifest: Manifest, cfg: Config, ctx: StageCont
     """file:// URIs of the committed input's data files, each verified against the manifest (size,
     sha256): in place for a local artifact, fetched through the shared store client otherwise
     (Spark here has no object-store connector)."""
-    files = [f for f in manifest.files if f["path"].startswith("data/") and f["path"].endswith(".parquet")]
+    files = [f for f in FileEntry.all_of(manifest, "data/") if f.path.endswith(".parquet")]
     if not files:
         raise ValueError(f"--input {input_uri}: the enriched artifact has no data/*.parquet files")
     if uris.is_local(input_uri):
         root = uris.to_local_path(input_uri)
         for f in files:  # under the payload prefix its manifest names (one writer per artifact)
-            p = root / manifest.object_path(f["path"])
+            p = root / manifest.object_path(f.path)
             if not p.is_file():
-                raise CorruptArtifact(f"{file_uri(input_uri, manifest, f['path'])} is listed in the manifest but missing")
-            if p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
-                raise CorruptArtifact(f"{file_uri(input_uri, manifest, f['path'])} does not match its manifest (size/sha256)")
-        return [file_uri(input_uri, manifest, f["path"]) for f in files]
+                raise CorruptArtifact(f"{file_uri(input_uri, manifest, f.path)} is listed in the manifest but missing")
+            if p.stat().st_size != f.size or sha256_file(p) != f.sha256:
+                raise CorruptArtifact(f"{file_uri(input_uri, manifest, f.path)} does not match its manifest (size/sha256)")
+        return [file_uri(input_uri, manifest, f.path) for f in files]
     local = download_dir(ctx.staging)
     fetch_artifact(input_uri, local, cfg.storage, prefix="data/")
-    return [uris.qualify(local / f["path"]) for f in files]
+    return [uris.qualify(local / f.path) for f in files]
 
 
 def stage_config(cfg: Config, input_uri: str, input_manifest: Manifest,
@@ -112,7 +119,7 @@ def run(input_uri: str, output_uri: str, cfg: Config, spark=None) -> Manifest:
     input_uri = uris.require_uri(input_uri, "--input").rstrip("/")
     output_uri = uris.require_uri(output_uri, "--output").rstrip("/")
     in_manifest = require_manifest(input_uri, cfg.storage, kind=INPUT_KIND)
-    made_for = (in_manifest.extra or {}).get("objective", "sft")
+    made_for = EnrichedInfo.from_manifest(in_manifest).objective
     if made_for != cfg.filter.objective:
         raise ValueError(f"--input {input_uri}: the enriched artifact holds {made_for!r} records but filter.objective="
                          f"{cfg.filter.objective!r}; enrich the data with the same objective")
@@ -183,7 +190,7 @@ def _compute(ctx: StageContext, input_uri: str, in_manifest: Manifest, cfg: Conf
         clean_staging(uris.to_local_path(docs_uri))
 
 
-def split_fit(docs, fcfg) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+def split_fit(docs, fcfg) -> tuple[dict[str, Any], FilterSourceSplits]:
     """The per-split length fit, counted once (one aggregation over each record's first document)
     and shown two ways: `length_fit` per record category (issue 29: rendered, fit as rendered, fit
     without reasoning, earlier reasoning dropped, kept) and `source_splits` per input split (issue
@@ -209,12 +216,12 @@ def split_fit(docs, fcfg) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
             c["fit_without_reasoning"] += v["fit_without"]
             c["reasoning_dropped"] += v["reasoning_dropped"]
             c["kept"] += v["rendered"] if r["reason"] is None else 0
-        s = per_source.setdefault(r["source_split"] or "", {"in": 0, "out": 0, "rejected": {}, "measured": 0,
+        s = per_source.setdefault(r["source_split"] or "", {"rows_in": 0, "rows_out": 0, "rejected": {}, "measured": 0,
                                                              "fit_seq_len_with_reasoning": 0,
                                                              "fit_seq_len_without_reasoning": 0})
-        s["in"] += v["n"]
+        s["rows_in"] += v["n"]
         if r["reason"] is None:
-            s["out"] += v["n"]
+            s["rows_out"] += v["n"]
         else:
             s["rejected"][r["reason"]] = s["rejected"].get(r["reason"], 0) + v["n"]
         s["measured"] += v["rendered"]
@@ -222,11 +229,11 @@ def split_fit(docs, fcfg) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         s["fit_seq_len_without_reasoning"] += v["fit_without"]
     length_fit = {"seq_len": seq_len, "overflow": fcfg.overflow, "with_reasoning": fcfg.train_on_reasoning,
                   "splits": dict(sorted(per_category.items()))}
-    return length_fit, dict(sorted(per_source.items()))
+    return length_fit, FilterSourceSplits(source_splits={k: SourceSplit(**v) for k, v in sorted(per_source.items())})
 
 
 def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config, tok,
-                       decon: DecontamInfo | None = None, provenance=None) -> tuple[dict, dict]:
+                       decon: DecontamInfo | None = None, provenance=None) -> tuple[StageCounts, dict]:
     from pyspark.sql import functions as F
 
     fcfg, spark, timer, staging = cfg.filter, ctx.spark, ctx.timer, ctx.staging
@@ -285,7 +292,7 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
         split_rule=f"{SPLIT_RULE} (seed={fcfg.seed}, val_fraction={fcfg.val_fraction}, "
                    f"val_max_documents={fcfg.val_max_documents})")
     extra["length_fit"] = length_fit
-    extra["source_splits"] = source_splits
+    extra.update(source_splits.to_extra())
     if provenance is not None:
         with timer.step("provenance") as info:
             kept = docs.filter(F.col("reason").isNull() & first).select("key", "id", "split")
@@ -295,7 +302,7 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
         extra["licenses"] = {(r[0] if r[0] is not None else ""): int(r[1]) for r in
                              spark.read.parquet(uris.qualify(staging / "provenance")).groupBy("license").count().collect()}
     log.info("[filter] %d in, %d kept, rejected %s; tokens %s; packing efficiency %s",
-             n_in, counts["out"], counts["rejected"], extra["tokens"], extra["packing_efficiency"])
+             n_in, counts.rows_out, counts.rejected, extra["tokens"], extra["packing_efficiency"])
     return counts, extra
 
 

@@ -20,7 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from pipeline_core.handoffs import IGNORE_INDEX, DecontamInfo, TokenizerSpec, TrainReadyInfo
+from pipeline_core.handoffs import (
+    IGNORE_INDEX,
+    DecontamInfo,
+    PackedSplit,
+    StageCounts,
+    TokenizerSpec,
+    TrainReadyInfo,
+    TrainReadySplits,
+)
 from pipeline_core.render_sample import SampleDocument, write_sample
 from spark_jobs.packing import Document, pack
 
@@ -50,11 +58,11 @@ class SplitStats:
     def kept(self) -> int:
         return self.documents if self.records is None else self.records
 
-    def as_manifest(self, seq_len: int) -> dict[str, Any]:
+    def as_manifest(self, seq_len: int) -> PackedSplit:
         slots = self.rows * seq_len
-        return {"records": self.kept, "documents": self.documents, "rows": self.rows, "files": self.files, "doc_tokens": self.doc_tokens,
-                "answer_tokens": self.answer_tokens, "truncated": self.truncated, "slots": slots,
-                "packing_efficiency": round(self.doc_tokens / slots, 4) if slots else None}
+        return PackedSplit(records=self.kept, documents=self.documents, rows=self.rows, files=self.files,
+                           doc_tokens=self.doc_tokens, answer_tokens=self.answer_tokens, truncated=self.truncated,
+                           slots=slots, packing_efficiency=round(self.doc_tokens / slots, 4) if slots else None)
 
 
 PAIRS_COLUMN = ("objective dpo: each row is one pair, document 1 the chosen side, document 2 the rejected side "
@@ -65,12 +73,11 @@ def describe(*, seq_len: int, tokenizer: TokenizerSpec, splits: Mapping[str, Spl
              rejected: Mapping[str, int], train_on: str | None, prompt_context: str | None,
              render_sample_documents: int, tokenizer_details: Mapping[str, Any] | None = None,
              split_rule: str | None = None, pad_id: int | None = None, objective: str = "sft",
-             decontamination: DecontamInfo | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+             decontamination: DecontamInfo | None = None) -> tuple[StageCounts, dict[str, Any]]:
     """(counts, extra) of a train-ready manifest; refuses counts that lose records. `pad_id`: the
     rows' padding id when the tokenizer names none."""
-    out = sum(s.kept for s in splits.values())
-    if n_in != out + sum(rejected.values()):
-        raise RuntimeError(f"row counts do not add up: {n_in} rows in, {out} kept + {sum(rejected.values())} rejected")
+    counts = StageCounts(rows_in=n_in, rows_out=sum(s.kept for s in splits.values()),
+                         rejected=dict(sorted(rejected.items()))).require_balanced("train-ready")
     total_slots = sum(s.rows for s in splits.values()) * seq_len
     info = TrainReadyInfo(
         seq_len=seq_len,
@@ -93,12 +100,11 @@ def describe(*, seq_len: int, tokenizer: TokenizerSpec, splits: Mapping[str, Spl
         "pad_token_id": tokenizer.pad_id if pad_id is None else pad_id,
         "label_ignore_index": IGNORE_INDEX,
         "columns": {**COLUMNS, **({"pairs": PAIRS_COLUMN} if objective == "dpo" else {})},
-        "splits": {s: v.as_manifest(seq_len) for s, v in splits.items()},
+        **TrainReadySplits(splits={s: v.as_manifest(seq_len) for s, v in splits.items()}).to_extra(),
         "truncated": sum(s.truncated for s in splits.values()),
     }
     if split_rule is not None:
         extra["split_rule"] = split_rule
-    counts = {"in": n_in, "out": out, "rejected": dict(sorted(rejected.items()))}
     return counts, extra
 
 
