@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline_core.names import Split
 from reports.facts import SIM_COLUMNS, ReportFacts
 
 SIM_TITLES = {"sim_question_answer": "question ↔ answer", "sim_context_question": "context ↔ question",
@@ -102,7 +103,7 @@ def document_lengths(facts: ReportFacts, path: Path) -> Path:
     seq_len = facts.headline.seq_len
     bins = np.linspace(0, seq_len, 33)
     drawn = False
-    for split, colour in (("train", KEPT), ("val", "#ff7f0e")):
+    for split, colour in ((Split.TRAIN, KEPT), (Split.VAL, "#ff7f0e")):
         lengths = facts.doc_lengths.get(split, np.array([]))
         if lengths.size:
             ax.hist(lengths, bins=bins, alpha=0.75, color=colour, label=f"{split} ({lengths.size} docs)")

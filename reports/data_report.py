@@ -40,6 +40,7 @@ from pipeline_core.handoffs import (
     TrainReadyInfo,
     TrainReadySplits,
 )
+from pipeline_core.names import Split, data_prefix
 from reports import charts
 from reports.facts import (
     NEAR_DUPLICATE,
@@ -149,8 +150,8 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
     lengths, sampled, example, example_split = {}, {}, [], None
     tok_spec = info.tokenizer.name if info else (tr.extra.get("tokenizer") or {}).get("spec") or fcfg.get("tokenizer")
     best: tuple[list[int], list[int]] | None = None
-    for split in ("val", "train"):
-        t = read_table(_parquet(tr_dir, tr, f"data/{split}/"), ["input_ids", "labels", "position_ids"])
+    for split in (Split.VAL, Split.TRAIN):
+        t = read_table(_parquet(tr_dir, tr, data_prefix(split)), ["input_ids", "labels", "position_ids"])
         rows = {c: v[:LENGTH_SAMPLE_ROWS] for c, v in t.items()}
         sampled[split] = len(rows["labels"])
         lengths[split] = document_lengths(rows["position_ids"], rows["labels"])
@@ -166,7 +167,7 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
     headline = Headline(
         records_in=en_counts.rows_in, enriched=en_counts.rows_out, kept=tr_counts.rows_out,
         rejected={k: sum(v.values()) for k, v in sorted(rejects_by_split.items())},
-        tokens=tokens, target_tokens=targets, documents=docs, val_documents=int(docs.get("val", 0)),
+        tokens=tokens, target_tokens=targets, documents=docs, val_documents=int(docs.get(Split.VAL, 0)),
         packing_efficiency=(info.packing_efficiency if info and info.packing_efficiency is not None
                             else tr.extra.get("packing_efficiency")),
         seq_len=seq_len,

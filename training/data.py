@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from pipeline_core.names import Split, data_prefix
 from training.model import shift_targets
 
 COLUMNS = ("input_ids", "labels", "position_ids")
@@ -155,8 +156,9 @@ class MicroBatches(Iterator):
         return x.to(self.device)
 
 
-def split_files(local_root: Path, split: str) -> list[Path]:
-    return sorted((local_root / "data" / split).glob("*.parquet"))
+def split_files(local_root: Path, split: Split) -> list[Path]:
+    """A fetched train-ready artifact's Parquet files of `split`."""
+    return sorted((local_root / data_prefix(split)).glob("*.parquet"))
 
 
 def columns_for(first_stage: bool, last_stage: bool) -> tuple[str, ...]:

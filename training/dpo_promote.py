@@ -14,42 +14,16 @@ The pointer record keeps the numbers and the pairs they were measured on for the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 
 from pipeline_core import layout
 from pipeline_core.artifacts import ArtifactError, require_manifest
 from pipeline_core.config import DPOSettings, ReleaseSection, StorageSection
 from pipeline_core.pointers import read_pointer
+from pipeline_core.run_records import DPOPointerNumbers, DPOPromotion, RunReportInfo
 from training.pointer_gate import move_pointer, promote_gated
 
 
-@dataclass(frozen=True)
-class DPOPromotion:
-    promoted: bool
-    reason: str
-    candidate_uri: str
-    reward_accuracy: float | None
-    reward_margin: float | None
-    current_uri: str | None
-    current_reward_accuracy: float | None
-    current_reward_margin: float | None
-    val_uri: str
-    reference_uri: str | None
-    order_key: str
-    forced: bool
-    latest_uri: str | None = None
-    current_order_key: str | None = None  # the pointer record compared with (the compare-and-swap's expected value)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def pointer_extra(self) -> dict:
-        """The numbers the next DPO run is compared with, and the pairs they were measured on."""
-        return {"val_uri": self.val_uri, "reference_uri": self.reference_uri, "reward_accuracy": self.reward_accuracy,
-                "reward_margin": self.reward_margin, "previous": self.current_uri}
-
-
-def decide(acc: float | None, margin: float | None, current: dict | None, min_acc: float,
+def decide(acc: float | None, margin: float | None, current: DPOPointerNumbers | None, min_acc: float,
            forced: bool) -> tuple[bool, str]:
     """The rule alone; `current`: the promoted model's numbers on the same pairs (None: none to compare)."""
     if acc is None or margin is None:
@@ -60,10 +34,10 @@ def decide(acc: float | None, margin: float | None, current: dict | None, min_ac
     if margin <= 0:
         problems.append(f"val reward margin {margin:.4f} <= 0")
     if current is not None:
-        if acc < current["reward_accuracy"]:
-            problems.append(f"val reward accuracy {acc:.4f} < the promoted DPO model's {current['reward_accuracy']:.4f}")
-        if margin < current["reward_margin"]:
-            problems.append(f"val reward margin {margin:.4f} < the promoted DPO model's {current['reward_margin']:.4f}")
+        if acc < current.reward_accuracy:
+            problems.append(f"val reward accuracy {acc:.4f} < the promoted DPO model's {current.reward_accuracy:.4f}")
+        if margin < current.reward_margin:
+            problems.append(f"val reward margin {margin:.4f} < the promoted DPO model's {current.reward_margin:.4f}")
     if not problems:
         return True, f"val reward accuracy {acc:.4f}, margin {margin:.4f}" + (
             " (no worse than the promoted DPO model's on the same pairs)" if current else "")
@@ -76,22 +50,24 @@ def evaluate(model_uri: str, run_uri: str, val_uri: str, models_uri: str, order_
              dpo: DPOSettings, storage: StorageSection | None = None) -> DPOPromotion:
     require_manifest(model_uri, storage, kind="model")
     report = require_manifest(layout.report_uri(run_uri), storage, kind="report")
-    extra = report.extra or {}
-    if "eval_reward_accuracy" not in extra:
+    info = RunReportInfo.from_manifest(report)
+    if "eval_reward_accuracy" not in info.model_fields_set:
         raise ArtifactError(f"{layout.report_uri(run_uri)} is not a DPO run's report (no eval_reward_accuracy)")
-    acc, margin, ref = extra.get("eval_reward_accuracy"), extra.get("eval_reward_margin"), extra.get("reference_uri")
+    acc, margin, ref = info.eval_reward_accuracy, info.eval_reward_margin, info.reference_uri
     pointer = read_pointer(models_uri, storage)
     same = None
-    if pointer is not None and pointer.target != model_uri and pointer.extra.get("val_uri") == val_uri \
-            and pointer.extra.get("reference_uri") == ref:
-        same = {"reward_accuracy": pointer.extra["reward_accuracy"], "reward_margin": pointer.extra["reward_margin"]}
+    kept = DPOPointerNumbers.of(pointer) if pointer is not None and pointer.target != model_uri else None
+    if kept is not None and kept.val_uri == val_uri and kept.reference_uri == ref:
+        same = kept
     ok, reason = decide(acc, margin, same, dpo.min_val_reward_accuracy, release.force_promote)
     if pointer is not None and same is None and pointer.target != model_uri:
         reason += " (the promoted DPO model was measured on other pairs: not compared)"
-    return DPOPromotion(ok, reason, model_uri, acc, margin, pointer.target if pointer else None,
-                        same and same["reward_accuracy"], same and same["reward_margin"], val_uri, ref, order_key,
-                        release.force_promote, pointer.target if pointer else None,
-                        pointer.order_key if pointer else None)
+    return DPOPromotion(promoted=ok, reason=reason, candidate_uri=model_uri, reward_accuracy=acc, reward_margin=margin,
+                        current_uri=pointer.target if pointer else None,
+                        current_reward_accuracy=same.reward_accuracy if same else None,
+                        current_reward_margin=same.reward_margin if same else None, val_uri=val_uri, reference_uri=ref,
+                        order_key=order_key, forced=release.force_promote, latest_uri=pointer.target if pointer else None,
+                        current_order_key=pointer.order_key if pointer else None)
 
 
 def apply(decision: DPOPromotion, models_uri: str, storage: StorageSection | None = None, *,

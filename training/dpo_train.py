@@ -26,6 +26,7 @@ import torch
 from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact, publish_artifact, read_manifest
 from pipeline_core.handoffs import RowsPerSplit
+from pipeline_core.names import SPLITS
 from training.collectives import broadcast, gather_value
 from training.dpo_data import PairMicroBatches
 from training.dpo_loss import DPOLoss, DPOMetrics
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("training.dpo")
 
-SPLITS = ("train", "val")
 # what the report manifest carries for the promotion gate (training/dpo_promote.py)
 REPORT_KEYS = ("eval_reward_accuracy", "eval_reward_margin", "eval_dpo_loss", "reference_uri")
 REFERENCE_KIND = "reference"

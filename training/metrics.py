@@ -9,20 +9,13 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline_core.run_records import EVAL_COLUMNS, STEP_COLUMNS  # the one column definition
 from training.flops import PEAK_BF16_TFLOPS
 
 if TYPE_CHECKING:
     from training.tracking import Tracker
 
 log = logging.getLogger(__name__)
-
-# objective dpo (training/dpo_loss.DPOMetrics.as_row): empty for SFT runs
-DPO_FIELDS = ("pairs", "dpo_loss", "reward_accuracy", "chosen_reward", "rejected_reward", "reward_margin")
-FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "target_tokens", "skipped",
-          *DPO_FIELDS)
-EVAL_FIELDS = ("step", "eval_loss", "eval_perplexity", "eval_micro_batches", "eval_target_tokens",
-               *(f"eval_{k}" for k in DPO_FIELDS))
-
 
 
 def peak_tflops(configured: float | None) -> float | None:
@@ -59,17 +52,17 @@ class MetricsLog:
         """Drop rows after the restored checkpoint (steps that are about to be redone)."""
         self.rows = [r for r in self.rows if int(r["step"]) <= last_step]
         self.eval_rows = [r for r in self.eval_rows if int(r["step"]) <= last_step]
-        _write(self.csv_path, FIELDS, self.rows)
-        _write(self.eval_path, EVAL_FIELDS, self.eval_rows)
+        _write(self.csv_path, STEP_COLUMNS, self.rows)
+        _write(self.eval_path, EVAL_COLUMNS, self.eval_rows)
 
     def add(self, row: dict[str, Any], eta_s: float | None = None) -> None:
-        row = {k: row.get(k) for k in FIELDS}
+        row = {k: row.get(k) for k in STEP_COLUMNS}
         self.rows.append(row)
-        _append(self.csv_path, FIELDS, row)
+        _append(self.csv_path, STEP_COLUMNS, row)
         if self.tracker is not None:
             self.tracker.log_step(row)
         if self._tb is not None:
-            for k in FIELDS[1:]:
+            for k in STEP_COLUMNS[1:]:
                 if row[k] is not None:
                     self._tb.add_scalar(f"train/{k}", float(row[k]), int(row["step"]))
         log.info("step %d loss %s lr %.3g grad_norm %s tokens/s %.1f%s%s%s", row["step"], row["loss"], row["lr"],
@@ -82,13 +75,13 @@ class MetricsLog:
                      row["pairs"])
 
     def add_eval(self, row: dict[str, Any]) -> None:
-        row = {k: row.get(k) for k in EVAL_FIELDS}
+        row = {k: row.get(k) for k in EVAL_COLUMNS}
         self.eval_rows.append(row)
-        _append(self.eval_path, EVAL_FIELDS, row)
+        _append(self.eval_path, EVAL_COLUMNS, row)
         if self.tracker is not None:
             self.tracker.log_eval(row)
         if self._tb is not None:
-            for k in EVAL_FIELDS[1:]:
+            for k in EVAL_COLUMNS[1:]:
                 if row[k] is not None and k not in ("eval_micro_batches", "eval_target_tokens"):
                     self._tb.add_scalar(f"eval/{k.removeprefix('eval_')}", float(row[k]), int(row["step"]))
 

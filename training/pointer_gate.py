@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pipeline_core.pointers import PointerMoved, PointerRecord, advance, check_order_key, sync_mirror
+from pipeline_core.run_records import Decision
 
 if TYPE_CHECKING:
     from pipeline_core.config import StorageSection
@@ -24,22 +24,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("training.promote")
 
 REEVALUATIONS = 3  # lost compare-and-swap races before a publish gives up (the pointer is left as it is)
-
-
-class Decision(Protocol):
-    """What a gate returns (a frozen dataclass): the verdict and the pointer record it was made against."""
-
-    promoted: bool
-    reason: str
-    candidate_uri: str
-    order_key: str
-    current_uri: str | None  # the pointer's target the candidate was compared with (None: empty pointer)
-    current_order_key: str | None
-    latest_uri: str | None  # where the pointer names after the decision
-
-    def pointer_extra(self) -> dict[str, Any]:
-        """The numbers the pointer record keeps (what the next run is compared with)."""
-        ...
 
 
 D = TypeVar("D", bound=Decision)
@@ -58,13 +42,14 @@ def move_pointer(decision: D, pointer_uri: str, storage: StorageSection | None, 
     decision was made against (else `PointerMoved`: evaluate again); the result says where it points."""
     if not decision.promoted:
         pointer = sync_mirror(pointer_uri, storage)  # a publisher killed before its mirror write is repaired here too
-        return replace(decision, latest_uri=pointer.target if pointer else None)
+        return decision.model_copy(update={"latest_uri": pointer.target if pointer else None})
     moved = advance(pointer_uri, decision.candidate_uri, decision.order_key, storage, run_id=run_id,
                     extra=decision.pointer_extra(), compared_with=compared_record(decision), max_ahead_s=max_ahead_s)
     latest = moved.current.target if moved.current else decision.latest_uri
     if moved.moved:
-        return replace(decision, latest_uri=latest)
-    return replace(decision, promoted=False, latest_uri=latest, reason=f"{decision.reason}; not moved: {moved.reason}")
+        return decision.model_copy(update={"latest_uri": latest})
+    return decision.model_copy(update={"promoted": False, "latest_uri": latest,
+                                       "reason": f"{decision.reason}; not moved: {moved.reason}"})
 
 
 def promote_gated(evaluate: Callable[[], D], pointer_uri: str, order_key: str, storage: StorageSection | None, *,
@@ -88,6 +73,7 @@ def promote_gated(evaluate: Callable[[], D], pointer_uri: str, order_key: str, s
         if on_result is not None:
             on_result(result)
         return result
-    return replace(decision, promoted=False, latest_uri=lost.current.target if lost.current else None,
-                   reason=f"{decision.reason}; not moved: LATEST moved {REEVALUATIONS} times while this run was "
-                          f"evaluated ({lost}); publish again to compare with it")
+    return decision.model_copy(update={
+        "promoted": False, "latest_uri": lost.current.target if lost.current else None,
+        "reason": f"{decision.reason}; not moved: LATEST moved {REEVALUATIONS} times while this run was "
+                  f"evaluated ({lost}); publish again to compare with it"})

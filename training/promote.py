@@ -26,7 +26,6 @@ import logging
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pipeline_core import uris
@@ -40,28 +39,16 @@ from pipeline_core.config import (
     load_config,
 )
 from pipeline_core.handoffs import BenchmarkResults
+from pipeline_core.names import Split, data_prefix
 from pipeline_core.pointers import check_order_key, read_pointer
+from pipeline_core.run_records import MetricComparison, Promotion
 from training.base_model import fetch_model
 from training.pointer_gate import move_pointer, promote_gated
 from training.tracking import Tracker
 
 log = logging.getLogger("training.promote")
 
-VAL_FILES = "data/val/"
-
-
-@dataclass(frozen=True)
-class MetricComparison:
-    """One `release.promote_on` metric: both models' scores (each from its own eval artifact)."""
-
-    task: str
-    metric: str
-    candidate: float | None
-    current: float | None
-    min_delta: float
-    higher_is_better: bool
-    worse_by: float | None  # how much worse the candidate is (negative: better); None when a score is missing
-    ok: bool
+VAL_FILES = data_prefix(Split.VAL)
 
 
 def compare_metrics(rules: list[PromoteMetric], candidate: BenchmarkResults,
@@ -74,17 +61,20 @@ def compare_metrics(rules: list[PromoteMetric], candidate: BenchmarkResults,
         cur = current.score(r.task, r.metric) if current is not None else None
         cv, cur_v = (c.value if c else None), (cur.value if cur else None)
         if cv is None:
-            out.append(MetricComparison(r.task, r.metric, None, cur_v, r.min_delta, r.higher_is_better, None, False))
+            out.append(MetricComparison(task=r.task, metric=r.metric, candidate=None, current=cur_v, min_delta=r.min_delta,
+                                        higher_is_better=r.higher_is_better, worse_by=None, ok=False))
             continue
         if current is None:
-            out.append(MetricComparison(r.task, r.metric, cv, None, r.min_delta, r.higher_is_better, None, True))
+            out.append(MetricComparison(task=r.task, metric=r.metric, candidate=cv, current=None, min_delta=r.min_delta,
+                                        higher_is_better=r.higher_is_better, worse_by=None, ok=True))
             continue
         if cur_v is None:
-            out.append(MetricComparison(r.task, r.metric, cv, None, r.min_delta, r.higher_is_better, None, False))
+            out.append(MetricComparison(task=r.task, metric=r.metric, candidate=cv, current=None, min_delta=r.min_delta,
+                                        higher_is_better=r.higher_is_better, worse_by=None, ok=False))
             continue
         worse = (cur_v - cv) if r.higher_is_better else (cv - cur_v)
-        out.append(MetricComparison(r.task, r.metric, cv, cur_v, r.min_delta, r.higher_is_better, worse,
-                                    worse <= r.min_delta + 1e-12))
+        out.append(MetricComparison(task=r.task, metric=r.metric, candidate=cv, current=cur_v, min_delta=r.min_delta,
+                                    higher_is_better=r.higher_is_better, worse_by=worse, ok=worse <= r.min_delta + 1e-12))
     return tuple(out)
 
 
@@ -108,34 +98,6 @@ def decide_metrics(compared: tuple[MetricComparison, ...], has_current: bool, fo
     if forced:
         return True, f"forced (release.force_promote): {why}"
     return False, f"{why}; set release.force_promote to publish it anyway"
-
-
-@dataclass(frozen=True)
-class Promotion:
-    """The gate's decision and the numbers it was made on."""
-
-    promoted: bool
-    reason: str
-    candidate_uri: str
-    candidate_val_loss: float | None
-    current_uri: str | None
-    current_val_loss: float | None
-    tolerance: float
-    forced: bool
-    val_uri: str
-    val_rows: int
-    val_target_tokens: int
-    order_key: str
-    latest_uri: str | None = None  # where models/LATEST points after the decision
-    promote_on: str = "val_loss"  # or "metrics": `compared` decided
-    compared: tuple[MetricComparison, ...] = ()  # every benchmark metric compared (release.promote_on)
-    current_order_key: str | None = None  # the LATEST record compared with (the compare-and-swap's expected value)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def pointer_extra(self) -> dict:
-        return {"val_uri": self.val_uri, "val_loss": self.candidate_val_loss, "previous": self.current_uri}
 
 
 def decide(candidate: float, current: float | None, tolerance: float, forced: bool) -> tuple[bool, str]:

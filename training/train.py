@@ -44,6 +44,8 @@ from pipeline_core import layout, uris  # noqa: E402
 from pipeline_core.artifacts import fetch_artifact, publish_artifact, read_manifest  # noqa: E402
 from pipeline_core.config import PROJECT_ROOT, Config, ConfigError, load_config  # noqa: E402
 from pipeline_core.handoffs import TokenizerSpec, TrainReadyInfo  # noqa: E402
+from pipeline_core.names import SPLITS, Split, data_prefix  # noqa: E402
+from pipeline_core.run_records import RunReportInfo  # noqa: E402
 from training import base_model, dpo_train  # noqa: E402
 from training import checkpoints as ckpt  # noqa: E402
 from training.collectives import agreed_staging, broadcast, gather_all, gather_value  # noqa: E402
@@ -179,7 +181,7 @@ def make_plan(cfg: Config, input_uri: str, output_uri: str, world_size: int, on_
         raise TrainConfigError(f"--input {input_uri}: no committed train-ready artifact there (no _manifest.json)")
     if manifest.kind != "train-ready":
         raise TrainConfigError(f"--input {input_uri}: is a {manifest.kind!r} artifact, expected 'train-ready'")
-    if not manifest.file_paths("data/train/"):
+    if not manifest.file_paths(data_prefix(Split.TRAIN)):
         raise TrainConfigError(f"--input {input_uri}: artifact has no data/train/*.parquet files")
     info = TrainReadyInfo.of(manifest)
     try:
@@ -446,7 +448,7 @@ class Trainer:
                          stage=engine.stage_id, first=engine.is_first_stage(), last=engine.is_last_stage(),
                          dp_rank=engine.grid.get_data_parallel_rank(),
                          dp_size=engine.grid.get_data_parallel_world_size(), device=device)
-        self.val_files = split_files(plan.staging / "input", "val")
+        self.val_files = split_files(plan.staging / "input", Split.VAL)
         self.probe = self._probe() if t.verify_parity else None
         if self.role.is_rank0:
             self.uploader = ckpt.CheckpointUploader(
@@ -552,9 +554,9 @@ class Trainer:
         t, role = self.t, self.role
         source = None
         if role.has_data:
-            shards = ShardSet(split_files(self.plan.staging / "input", "train"), t.seq_len,
+            shards = ShardSet(split_files(self.plan.staging / "input", Split.TRAIN), t.seq_len,
                               columns_for(role.first, role.last))
-            source = self._batches_cls("train")(
+            source = self._batches_cls(Split.TRAIN)(
                 shards, micro_batch=t.micro_batch_size, dp_rank=role.dp_rank, dp_size=role.dp_size,
                 seed=t.seed, position=position, need_inputs=role.first, need_labels=role.last,
                 device=role.device, pin_memory=t.pin_memory)
@@ -573,7 +575,7 @@ class Trainer:
     def fit(self, state: RunState) -> None:
         plan, t, role, engine = self.plan, self.t, self.role, self.engine
         if self.dpo:  # before the first update: the reference model is the engine's weights now
-            splits = {s: ShardSet(f, t.seq_len, COLUMNS) for s in ("train", "val")
+            splits = {s: ShardSet(f, t.seq_len, COLUMNS) for s in SPLITS
                       if role.has_data and (f := split_files(plan.staging / "input", s))}
             self.reference = dpo_train.ensure_reference(self, splits, resumed=state.restored is not None)
             state.summary.update(self.reference_summary)
@@ -639,7 +641,7 @@ class Trainer:
         source, n_batches = None, t.eval_batches
         if role.has_data:
             shards = ShardSet(self.val_files, t.seq_len, columns_for(role.first, role.last))
-            source = self._batches_cls("val")(
+            source = self._batches_cls(Split.VAL)(
                 shards, micro_batch=t.micro_batch_size, dp_rank=role.dp_rank, dp_size=role.dp_size,
                 seed=t.seed, shuffle=True, need_inputs=role.first, need_labels=role.last, device=role.device)
             n_batches = min(n_batches, source.per_epoch)
@@ -698,8 +700,8 @@ class Trainer:
                          inputs=[plan.input_uri], counts={}, extra={"format": "huggingface", "step": t.steps},
                          storage=self.storage)
         publish_artifact(self.report_dir.parent, layout.report_uri(plan.run_uri), kind="report", config=cfg_json,
-                         inputs=[plan.input_uri], counts={}, extra={k: summary.get(k) for k in
-                         ("eval_loss", "eval_perplexity", "final_train_loss", *dpo_train.REPORT_KEYS * self.dpo)},
+                         inputs=[plan.input_uri], extra=RunReportInfo(**{k: summary.get(k) for k in (
+                             "eval_loss", "eval_perplexity", "final_train_loss", *dpo_train.REPORT_KEYS * self.dpo)}).to_extra(),
                          storage=self.storage)
         if self.tracker is not None:  # bounded wait: a slow or dead server drops what is left, never fails
             self.tracker.finish()
@@ -712,7 +714,7 @@ class Trainer:
         """A fixed validation micro-batch with every column (for the parity check)."""
         if not self.role.has_data:
             return None
-        files = self.val_files or split_files(self.plan.staging / "input", "train")
+        files = self.val_files or split_files(self.plan.staging / "input", Split.TRAIN)
         it = MicroBatches(ShardSet(files, self.t.seq_len, COLUMNS), micro_batch=self.t.micro_batch_size,
                           dp_rank=0, dp_size=1, seed=0, shuffle=False, device=self.role.device)
         (ids, pos), targets = next(it)

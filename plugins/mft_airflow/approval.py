@@ -19,6 +19,7 @@ from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk.exceptions import AirflowSkipException
 
 from pipeline_core.handoffs import ReportRef
+from pipeline_core.names import Stage
 from plugins.mft_airflow.report_links import REPORT_TASK_ID
 from plugins.mft_airflow.report_task import report_link
 from plugins.mft_airflow.run_plan import RunPlan
@@ -86,7 +87,7 @@ class ApprovalGateOperator(ApprovalOperator):
         from plugins.mft_airflow.plan import load_plan_config
 
         plan = _plan(context)
-        if not plan.runs("train"):
+        if not plan.runs(Stage.TRAIN):
             raise AirflowSkipException("no training in this run; nothing to approve")
         if not load_plan_config(plan).release.require_approval:
             raise AirflowSkipException("release.require_approval is off: training needs no approval")

@@ -25,7 +25,7 @@ from typing import Any
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import BaseOperator
 
-from plugins.mft_airflow.run_plan import Stage
+from pipeline_core.names import Stage
 from plugins.mft_airflow.settings import DeploySettings
 from plugins.mft_airflow.stage_base import (  # noqa: F401  (PLAN_TASK_ID, StageResult, pull_plan: re-exported)
     PLAN_TASK_ID,
@@ -181,7 +181,7 @@ def log_failure(context: Any) -> None:
     if plan is None:
         log.error("mistral_finetune: task %s failed before a plan existed (invalid params or config?)", task_id)
         return
-    target = {"enrich": plan.enriched_uri, "filter": plan.train_ready_uri, "train": plan.run_uri,
+    target = {Stage.ENRICH: plan.enriched_uri, Stage.FILTER: plan.train_ready_uri, Stage.TRAIN: plan.run_uri,
               "publish": plan.model_uri}.get(task_id, plan.run_uri)
     log.error("mistral_finetune: task %s failed; dataset_version=%s run_id=%s target=%s (not committed; "
               "a retry resumes from what is committed)", task_id, plan.dataset_version, plan.run_id, target)

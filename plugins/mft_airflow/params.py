@@ -16,8 +16,9 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline_core.config import NEMOTRON_SPLITS, NEMOTRON_V2_SPLITS, SPLIT_ALIASES, trigger_overridable
+from pipeline_core.names import Stage
 
-STAGES = ("enrich", "filter", "train")
+STAGES = tuple(s.value for s in Stage)  # plain strings: the form's JSON schema
 COMPONENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 # The split names the form offers (a multi-select): v1's, v2's and the hub's aliases, in that order.
 # A dataset with other split names sets them through config_overrides["enrich.splits"] (checked

@@ -20,6 +20,7 @@ from typing import Any
 from pipeline_core import layout, uris
 from pipeline_core.artifacts import read_manifest
 from pipeline_core.config import Config, ConfigError, load_config
+from pipeline_core.names import Stage
 from plugins.mft_airflow.params import OVERRIDABLE, STAGES, param_specs, to_overrides
 from plugins.mft_airflow.run_plan import RunPlan, resource_name
 from plugins.mft_airflow.settings import DeploySettings, load_settings
@@ -88,7 +89,7 @@ def check_cross_fields(cfg: Config, stages: list[str]) -> None:
     """The rules between fields that later stages enforce, checked before any compute (issue 26.6):
     the trainer's (sequence length of the data, the model's positions and layers) and the publish
     task's (a val split to evaluate on). Each message names the fields to change."""
-    if "train" not in stages:
+    if Stage.TRAIN not in stages:
         return
     f, t = cfg.filter, cfg.train
     errors = []
@@ -186,7 +187,7 @@ def resolve_plan(
         if cfg.train.base_model == LATEST_MODEL:  # the promoted model, pinned for this run (retries train the same)
             overrides["train.base_model"] = latest_model(cfg)
             cfg = load_config(config_file, overrides=overrides, env=env)
-        if "train" in stages and world_size is not None:
+        if Stage.TRAIN in stages and world_size is not None:
             cfg.train.accumulation_steps(world_size)  # a global batch that does not divide: refused now
     except ConfigError as e:
         raise PlanError(str(e)) from None
@@ -244,7 +245,7 @@ def build_plan(cfg: Config, config_path: Path, *, stages: list[str], world_size:
 def _check_reused_inputs(cfg: Config, plan: RunPlan) -> None:
     """A selected stage whose producer is left out needs the producer's committed artifact now,
     not after hours of upstream work."""
-    needs = {"filter": ("enrich", plan.enriched_uri), "train": ("filter", plan.train_ready_uri)}
+    needs = {Stage.FILTER: (Stage.ENRICH, plan.enriched_uri), Stage.TRAIN: (Stage.FILTER, plan.train_ready_uri)}
     for stage, (producer, uri) in needs.items():
         if plan.runs(stage) and not plan.runs(producer) and read_manifest(uri, cfg.storage) is None:
             raise PlanError(

@@ -20,6 +20,7 @@ from airflow.sdk import BaseOperator, BaseOperatorLink
 from airflow.sdk.exceptions import AirflowSkipException
 
 from pipeline_core.handoffs import ReportRef
+from pipeline_core.names import Stage
 from plugins.mft_airflow.report_links import report_view_url
 from plugins.mft_airflow.run_plan import RunPlan
 
@@ -63,7 +64,7 @@ class DataReportOperator(BaseOperator):
 
         plan = _plan(context)
         storage = load_plan_config(plan).storage
-        if not plan.runs("filter") and read_manifest(plan.train_ready_uri, storage) is None:
+        if not plan.runs(Stage.FILTER) and read_manifest(plan.train_ready_uri, storage) is None:
             raise AirflowSkipException(f"no train-ready artifact at {plan.train_ready_uri} to report on")
         m = build(plan.train_ready_uri, storage=storage)
         self._lineage = ([plan.train_ready_uri], [(m.uri, m)])

@@ -13,8 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Stage = Literal["enrich", "filter", "train"]
-STAGES: tuple[Stage, ...] = ("enrich", "filter", "train")
+from pipeline_core.names import Stage
+
+STAGES: tuple[Stage, ...] = tuple(Stage)
 _NOT_DNS = re.compile(r"[^a-z0-9-]+")
 
 

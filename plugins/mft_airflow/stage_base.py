@@ -15,7 +15,8 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from airflow.sdk.serde import allow_class
 from pydantic import BaseModel, ConfigDict
 
-from plugins.mft_airflow.run_plan import RunPlan, Stage
+from pipeline_core.names import Stage
+from plugins.mft_airflow.run_plan import RunPlan
 
 log = logging.getLogger(__name__)
 PLAN_TASK_ID = "resolve"
@@ -129,7 +130,7 @@ class _PlanStage:
 
 class _TrainStage(_PlanStage):
     command_name = "the training launcher"
-    stage: Stage = "train"
+    stage: Stage = Stage.TRAIN
     input_field = "train_ready_uri"
     output_field = "model_uri"
     prefetch_base = True  # containers: fill the hub cache with the base model before going offline

@@ -10,8 +10,6 @@ latest published model (what `make demo` ends with).
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import sys
 from typing import Any
@@ -27,6 +25,7 @@ from pipeline_core.artifacts import (
 from pipeline_core.config import DPOSettings, ReleaseSection, StorageSection, TrackingSection, load_config
 from pipeline_core.handoffs import FileEntry
 from pipeline_core.pointers import read_pointer
+from pipeline_core.run_records import EvalMetrics, M, RunReportInfo, StepMetrics, read_rows
 from pipeline_core.store import open_store
 from plugins.mft_airflow.run_plan import RunPlan
 
@@ -38,34 +37,34 @@ def _losses(report_uri: str, storage: StorageSection | None) -> dict[str, Any]:
     report = read_manifest(report_uri, storage)
     if report is None:
         return {}
-    out: dict[str, Any] = {k: v for k, v in report.extra.items() if v is not None}
-    def table(name: str, column: str) -> list[dict[str, str]]:
-        path = next((p for p in report.file_paths() if p.endswith(name)), None)
-        if path is None:
-            return []
-        text = read_artifact_file(report, path, storage).decode()
-        return [r for r in csv.DictReader(io.StringIO(text)) if r.get(column) not in (None, "", "None")]
+    out: dict[str, Any] = RunReportInfo.from_manifest(report).model_dump(mode="json", exclude_none=True)
 
-    if rows := table("metrics.csv", "loss"):
-        out.update(loss_start=float(rows[0]["loss"]), loss_end=float(rows[-1]["loss"]),
-                   first_step=int(rows[0]["step"]), last_step=int(rows[-1]["step"]))
-    if rows := table("metrics.csv", "reward_accuracy"):  # objective dpo: the per-step pair metrics
-        out["dpo"] = _dpo_curves(rows, table("eval.csv", "eval_reward_accuracy"))
+    def table(name: str, model: type[M]) -> list[M]:
+        path = next((p for p in report.file_paths() if p.endswith(name)), None)
+        return [] if path is None else read_rows(model, read_artifact_file(report, path, storage).decode())
+
+    steps = table("metrics.csv", StepMetrics)
+    if losses := [r for r in steps if r.loss is not None]:
+        out.update(loss_start=losses[0].loss, loss_end=losses[-1].loss, first_step=losses[0].step,
+                   last_step=losses[-1].step)
+    if pairs := [r for r in steps if r.reward_accuracy is not None]:  # objective dpo: the per-step pair metrics
+        evals = [r for r in table("eval.csv", EvalMetrics) if r.eval_reward_accuracy is not None]
+        out["dpo"] = _dpo_curves(pairs, evals)
     return out
 
 
-DPO_COLUMNS = ("loss", "reward_accuracy", "chosen_reward", "rejected_reward", "reward_margin")
-
-
-def _dpo_curves(steps: list[dict[str, str]], evals: list[dict[str, str]]) -> dict[str, Any]:
+def _dpo_curves(steps: list[StepMetrics], evals: list[EvalMetrics]) -> dict[str, Any]:
     """objective dpo: the train metrics at the first step, at each validation step and at the last step
     (each over that step's pairs), and every validation (over the val pairs); `pairs` per row."""
-    def row(r: dict[str, str], prefix: str) -> dict[str, Any]:
-        return {"step": int(r["step"]), "pairs": int(float(r[f"{prefix}pairs"])),
-                **{c: float(r[f"{prefix}{'dpo_loss' if c == 'loss' else c}"]) for c in DPO_COLUMNS}}
+    def row(step: int, pairs: int | None, loss: float | None, *rewards: float | None) -> dict[str, Any]:
+        return {"step": step, "pairs": pairs, "loss": loss,
+                **dict(zip(("reward_accuracy", "chosen_reward", "rejected_reward", "reward_margin"), rewards, strict=True))}
 
-    at = {int(r["step"]) for r in evals} | {int(steps[0]["step"]), int(steps[-1]["step"])}
-    return {"train": [row(r, "") for r in steps if int(r["step"]) in at], "val": [row(r, "eval_") for r in evals]}
+    at = {r.step for r in evals} | {steps[0].step, steps[-1].step}
+    return {"train": [row(r.step, r.pairs, r.dpo_loss, r.reward_accuracy, r.chosen_reward, r.rejected_reward,
+                          r.reward_margin) for r in steps if r.step in at],
+            "val": [row(r.step, r.eval_pairs, r.eval_dpo_loss, r.eval_reward_accuracy, r.eval_chosen_reward,
+                        r.eval_rejected_reward, r.eval_reward_margin) for r in evals]}
 
 
 def _stage(uri: str, storage: StorageSection | None) -> dict[str, Any]:

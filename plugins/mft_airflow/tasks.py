@@ -11,6 +11,7 @@ from typing import Any
 from airflow.sdk import Asset, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
+from pipeline_core.names import Stage
 from plugins.mft_airflow.run_plan import RunPlan
 from plugins.mft_airflow.stage_base import PLAN_TASK_ID
 
@@ -51,7 +52,7 @@ def publish(plan: RunPlan, **context: Any) -> dict[str, Any]:
     from plugins.mft_airflow.plan import load_plan_config
     from plugins.mft_airflow.summary import format_summary, publish_model
 
-    if not plan.runs("train"):
+    if not plan.runs(Stage.TRAIN):
         raise AirflowSkipException("no training in this run; nothing to publish")
     cfg = load_plan_config(plan)
     # runs are ordered by logical date (trigger time for manual runs): LATEST never moves back

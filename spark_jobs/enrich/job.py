@@ -41,6 +41,7 @@ from pipeline_core import uris
 from pipeline_core.artifacts import Manifest
 from pipeline_core.config import Config, EnrichSection, load_config
 from pipeline_core.handoffs import EnrichedInfo, PromptSourceOutcome, StageCounts
+from pipeline_core.names import Stage
 from spark_jobs.common import (
     StageContext,
     StageOutput,
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("spark_jobs.enrich.job")
 
-STAGE = "enrich"
+STAGE = Stage.ENRICH
 KIND = "enriched"
 SPEC = StageSpec(STAGE, KIND, "mft-enrich")
 NORMALISED_SCHEMA = (

@@ -48,6 +48,7 @@ from pipeline_core.handoffs import (
     SourceSplit,
     StageCounts,
 )
+from pipeline_core.names import Stage
 from pipeline_core.render_sample import SAMPLE_DIR, SAMPLE_SCHEMA, key_threshold
 from spark_jobs.common import (
     StageContext,
@@ -73,7 +74,7 @@ from spark_jobs.partitioning import FILTER_ROWS_PER_PARTITION, stage_partitions
 log = logging.getLogger("spark_jobs.filter")
 
 INPUT_KIND = "enriched"
-STAGE = "filter"
+STAGE = Stage.FILTER
 SPEC = StageSpec(STAGE, KIND, "mft-filter")
 # per kept record, beside the packed rows (`provenance/*.parquet`; the trainer reads data/ only)
 PROVENANCE = (("license", "string"), ("generator", "string"), ("used_in", "array<string>"),

@@ -18,8 +18,9 @@ import hashlib
 from pyspark.sql import Column
 from pyspark.sql import functions as F
 
-TRAIN, VAL = "train", "val"
-SPLITS = (TRAIN, VAL)
+from pipeline_core.names import SPLITS, Split  # noqa: F401  (SPLITS: re-exported for the filter stage)
+
+TRAIN, VAL = Split.TRAIN, Split.VAL
 _BITS = 52  # 13 hex digits: exact in a double
 SPLIT_RULE = ("val iff int(sha256(f'{seed}:{prompt_key}')[:13], 16) / 2**52 < val_fraction, where prompt_key = "
               "sha256 hex of the canonical prompt (spark_jobs.conversations.conversation.prompt_text), or of the seed conversation "
