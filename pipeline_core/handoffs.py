@@ -66,7 +66,7 @@ class StageCounts(_Handoff):
         """self, or UnbalancedCounts: where a stage commits rows, none may be lost."""
         if not self.balanced:
             raise UnbalancedCounts(
-                f"{what + ': ' if what else ''}row counts do not add up: in={self.rows_in} != out={self.rows_out} "
+                f"{what + ' ' if what else ''}row counts do not add up: in={self.rows_in} != out={self.rows_out} "
                 f"+ rejected={self.rejected_total} {dict(sorted(self.rejected.items()))}")
         return self
 

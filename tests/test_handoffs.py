@@ -7,8 +7,33 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from pipeline_core.artifacts import Manifest
-from pipeline_core.handoffs import FileEntry, StageCounts
+from pipeline_core import uris
+from pipeline_core.artifacts import Manifest, read_manifest
+from pipeline_core.handoffs import (
+    DataReportInfo,
+    EnrichedInfo,
+    FileEntry,
+    FilterSourceSplits,
+    ReportRef,
+    RowsPerSplit,
+    StageCounts,
+    TrainReadySplits,
+    UnbalancedCounts,
+)
+from pipeline_core.names import SPLITS, Split, Stage, data_prefix
+from pipeline_core.run_records import (
+    DPO_COLUMNS,
+    EVAL_COLUMNS,
+    STEP_COLUMNS,
+    DPOPointerNumbers,
+    DPOPromotion,
+    EvalMetrics,
+    MetricComparison,
+    Promotion,
+    StepMetrics,
+    read_decision,
+    read_rows,
+)
 
 SHA = "ab" * 32
 
@@ -49,3 +74,137 @@ def test_a_file_entry_without_its_hash_fails_loudly():
     del d["files"][0]["sha256"]
     with pytest.raises(ValidationError, match="sha256"):
         FileEntry.all_of(Manifest.from_json(json.dumps(d).encode()))
+
+
+def test_a_manifest_reads_and_writes_back_byte_for_byte():
+    m = Manifest.from_json(MANIFEST_JSON)
+    assert m.to_json() == MANIFEST_JSON
+
+
+def test_an_unbalanced_count_is_refused_where_rows_are_committed(tmp_path):
+    from pipeline_core.artifacts import ArtifactError, publish_artifact
+    from spark_jobs.common import check_counts
+
+    lost = StageCounts(rows_in=10, rows_out=7, rejected={"too_long": 2})
+    assert not lost.balanced
+    with pytest.raises(UnbalancedCounts, match="in=10 != out=7 \\+ rejected=2"):
+        lost.require_balanced()
+    with pytest.raises(RuntimeError, match=r"\[filter\] row counts do not add up"):
+        check_counts(lost, 1.0, "filter")
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "x").write_text("x")
+    with pytest.raises(ArtifactError, match="do not add up"):
+        publish_artifact(tmp_path / "p", uris.qualify(tmp_path / "store" / "a"), kind="enriched", counts=lost)
+    assert read_manifest(uris.qualify(tmp_path / "store" / "a")) is None  # nothing committed
+
+
+def test_counts_are_written_as_the_model_dumps_them(tmp_path):
+    from pipeline_core.artifacts import publish_artifact
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "x").write_text("x")
+    c = StageCounts(rows_in=3, rows_out=2, rejected={"b": 1}).plus_rejected("corrupt_input_file", 4)
+    m = publish_artifact(tmp_path / "p", uris.qualify(tmp_path / "a"), kind="enriched", counts=c)
+    on_disk = json.loads((tmp_path / "a" / "_manifest.json").read_bytes())
+    assert on_disk["counts"] == {"in": 7, "out": 2, "rejected": {"b": 1, "corrupt_input_file": 4}}
+    assert StageCounts.from_manifest(read_manifest(m.uri)) == c
+    assert [f.path for f in FileEntry.all_of(m)] == ["x"] and FileEntry.named(m, "x").size == 1
+    ref = publish_artifact(tmp_path / "p", uris.qualify(tmp_path / "r"), kind="dpo-reference",
+                           counts=RowsPerSplit(rows={"train": 3}))
+    assert ref.counts == {"rows": {"train": 3}} and StageCounts.of(ref) is None
+
+
+# The stage extras as the stages wrote them before the typed hand-offs (enrich: per-split counts and
+# prompt sources, one configured, one not; filter: packed splits and the per-input-split fit).
+ENRICHED_EXTRA = {
+    "schema": "enriched", "objective": "sft",
+    "splits": {"": {"in": 1, "out": 0, "rejected": {"x": 1}}, "chat": {"in": 7, "out": 5, "rejected": {"bad": 2}}},
+    "prompt_sources": {
+        "a/b": {"uri": "s3://x", "config_key": "enrich.prompt_sources['a/b']", "recipes": ["index"], "rows": 4,
+                "files": [{"path": "s3://x/f", "size": 3, "sha256": SHA}], "downloaded_to": None,
+                "restored": 3, "unrestorable": 1, "outcomes": {"missing": 1, "restored": 3}},
+        "c/d": {"uri": None, "config_key": "enrich.prompt_sources['c/d']", "restored": 0, "unrestorable": 2,
+                "outcomes": {"not_found": 2}}},
+}
+TRAIN_READY_EXTRA = {
+    "splits": {"train": {"records": 11, "documents": 10, "rows": 4, "files": 1, "doc_tokens": 900, "answer_tokens": 400,
+                         "truncated": 1, "slots": 1024, "packing_efficiency": 0.8789}},
+    "source_splits": {"chat": {"in": 7, "out": 5, "rejected": {"too_long": 2}, "measured": 7,
+                               "fit_seq_len_with_reasoning": 6, "fit_seq_len_without_reasoning": 7}},
+}
+
+
+def _manifest(extra: dict, counts: dict | None = None) -> Manifest:
+    d = json.loads(MANIFEST_JSON)
+    d["extra"] = extra
+    if counts is not None:
+        d["counts"] = counts
+    return Manifest.from_json(json.dumps(d).encode())
+
+
+def test_stage_extras_round_trip_to_the_same_json():
+    en = EnrichedInfo.from_manifest(_manifest(ENRICHED_EXTRA))
+    assert en.to_extra() == {k: v for k, v in ENRICHED_EXTRA.items() if k != "schema"}
+    assert en.splits["chat"].rejected_total == 2 and en.prompt_sources["c/d"].recipes is None
+    tr = _manifest(TRAIN_READY_EXTRA)
+    assert TrainReadySplits.from_manifest(tr).to_extra() == {"splits": TRAIN_READY_EXTRA["splits"]}
+    fs = FilterSourceSplits.from_manifest(tr)
+    assert fs.to_extra() == {"source_splits": TRAIN_READY_EXTRA["source_splits"]}
+    assert fs.source_splits["chat"].rows_out == 5
+
+
+def test_old_manifests_read_with_defaults():
+    old = _manifest({"schema": "enriched"}, counts={"in": 3, "out": 3})  # before objective, splits, rejected
+    assert EnrichedInfo.from_manifest(old).objective == "sft" and EnrichedInfo.from_manifest(old).splits == {}
+    assert StageCounts.from_manifest(old).rejected == {}
+    assert TrainReadySplits.from_manifest(old).splits == {} and FilterSourceSplits.from_manifest(old).source_splits == {}
+    assert DataReportInfo.from_manifest(old).headline is None
+    # a packed split written before `records` (and `slots`) were recorded
+    pre = _manifest({"splits": {"val": {"documents": 2, "rows": 1, "doc_tokens": 100}}})
+    assert TrainReadySplits.from_manifest(pre).splits["val"].records == 0
+
+
+def test_python_field_names_are_no_keys_on_disk():
+    with pytest.raises(ValidationError, match="in"):
+        EnrichedInfo.from_manifest(_manifest({"splits": {"chat": {"rows_in": 1, "rows_out": 1}}}))
+    with pytest.raises(ValidationError):
+        ReportRef.read({"uri": "u", "page": "p", "headline": {"records_in": 1, "enriched": 1}})  # no `kept`
+
+
+def test_metrics_columns_are_the_header_the_trainer_writes(tmp_path):
+    from training.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.csv", None)
+    log.add({"step": 1, "loss": 2.5, "lr": 1e-4, "grad_norm": 1.0, "tokens_per_s": 10.0, "step_time_s": 0.1,
+             "target_tokens": 7, "skipped": 0})
+    log.add_eval({"step": 1, "eval_loss": 2.0, "eval_pairs": 4, "eval_reward_accuracy": 0.5})
+    text = (tmp_path / "metrics.csv").read_text()
+    assert text.splitlines()[0] == ",".join(STEP_COLUMNS)
+    assert (tmp_path / "eval.csv").read_text().splitlines()[0] == ",".join(EVAL_COLUMNS)
+    assert EVAL_COLUMNS[-len(DPO_COLUMNS):] == tuple(f"eval_{c}" for c in DPO_COLUMNS)
+    (row,) = read_rows(StepMetrics, text)
+    assert (row.step, row.loss, row.target_tokens, row.mfu, row.reward_accuracy) == (1, 2.5, 7, None, None)
+    (ev,) = read_rows(EvalMetrics, (tmp_path / "eval.csv").read_text())
+    assert (ev.eval_pairs, ev.eval_reward_accuracy, ev.eval_perplexity) == (4, 0.5, None)
+
+
+def test_a_stored_decision_reads_back_as_its_gate_s_model():
+    sft = Promotion(promoted=True, reason="r", candidate_uri="c", current_uri=None, val_uri="v", order_key="k",
+                    forced=False, candidate_val_loss=1.0, current_val_loss=None, tolerance=0.0, val_rows=3,
+                    val_target_tokens=9, compared=(MetricComparison(task="t", metric="acc", candidate=0.5, current=None,
+                                                                   min_delta=0.0, higher_is_better=True, worse_by=None,
+                                                                   ok=True),))
+    stored = json.loads(json.dumps(sft.to_dict()))
+    assert read_decision(stored) == sft and stored["compared"][0]["metric"] == "acc"
+    dpo = DPOPromotion(promoted=False, reason="r", candidate_uri="c", current_uri="p", val_uri="v", order_key="k",
+                       forced=False, reward_accuracy=0.6, reward_margin=0.1, current_reward_accuracy=None,
+                       current_reward_margin=None, reference_uri="ref")
+    assert read_decision(json.loads(json.dumps(dpo.to_dict()))) == dpo
+    assert DPOPointerNumbers.read(dpo.pointer_extra()).reward_accuracy == 0.6
+    assert sft.pointer_extra() == {"val_uri": "v", "val_loss": 1.0, "previous": None}
+
+
+def test_stage_and_split_names_are_their_strings():
+    assert json.dumps([Stage.TRAIN, Split.VAL]) == '["train", "val"]'
+    assert f"{Split.VAL}" == "val" and data_prefix(Split.TRAIN) == "data/train/"
+    assert tuple(SPLITS) == ("train", "val")

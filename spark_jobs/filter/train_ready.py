@@ -77,7 +77,7 @@ def describe(*, seq_len: int, tokenizer: TokenizerSpec, splits: Mapping[str, Spl
     """(counts, extra) of a train-ready manifest; refuses counts that lose records. `pad_id`: the
     rows' padding id when the tokenizer names none."""
     counts = StageCounts(rows_in=n_in, rows_out=sum(s.kept for s in splits.values()),
-                         rejected=dict(sorted(rejected.items()))).require_balanced("train-ready")
+                         rejected=dict(sorted(rejected.items()))).require_balanced("[train-ready]")
     total_slots = sum(s.rows for s in splits.values()) * seq_len
     info = TrainReadyInfo(
         seq_len=seq_len,
