@@ -275,6 +275,17 @@ class SplitAccount(_Handoff):
     fit_without: int | None = None
 
 
+class SourcesSummary(_Handoff):
+    """The run summary's `sources`: per input split through both stages, and the withheld prompts
+    restored per seed source (plugins/mft_airflow/summary.py)."""
+
+    splits: dict[str, SplitAccount] = Field(default_factory=dict)
+    prompt_sources: dict[str, PromptSourceOutcome] = Field(default_factory=dict)
+
+    def to_summary(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
+
+
 class Headline(_Handoff):
     """A data report's headline figures (report manifest `extra.headline`; the approval request and
     the run note show them)."""

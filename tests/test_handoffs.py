@@ -208,3 +208,25 @@ def test_stage_and_split_names_are_their_strings():
     assert json.dumps([Stage.TRAIN, Split.VAL]) == '["train", "val"]'
     assert f"{Split.VAL}" == "val" and data_prefix(Split.TRAIN) == "data/train/"
     assert tuple(SPLITS) == ("train", "val")
+
+
+def test_the_run_summary_s_sources_are_stored_as_json_and_read_back(tmp_path):
+    """plugins/mft_airflow/summary.py: what `_sources` stores is plain JSON, and `_fmt_sources` reads it back."""
+    from types import SimpleNamespace
+
+    from pipeline_core.artifacts import publish_artifact
+    from plugins.mft_airflow.summary import _fmt_sources, _sources
+
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "x").write_text("x")
+    en = publish_artifact(tmp_path / "p", uris.qualify(tmp_path / "en"), kind="enriched", extra=ENRICHED_EXTRA,
+                          counts=StageCounts(rows_in=8, rows_out=5, rejected={"bad": 2, "x": 1}))
+    tr = publish_artifact(tmp_path / "p", uris.qualify(tmp_path / "tr"), kind="train-ready", extra=TRAIN_READY_EXTRA,
+                          counts=StageCounts(rows_in=5, rows_out=3, rejected={"too_long": 2}))
+    stored = json.loads(json.dumps(_sources(SimpleNamespace(enriched_uri=en.uri, train_ready_uri=tr.uri), None)))
+    assert stored["prompt_sources"] == ENRICHED_EXTRA["prompt_sources"]
+    assert stored["splits"]["chat"] == {"in": 7, "rejected": {"enrich:bad": 2, "filter:too_long": 2}, "kept": 5,
+                                        "measured": 7, "fit_with": 6, "fit_without": 7}
+    lines = _fmt_sources(stored)
+    assert "  prompts c/d: 0 restored, 2 unrestorable <- not configured (enrich.prompt_sources['c/d'])" in lines
+    assert any(line.startswith("  split   chat: in 7, kept 5; fit seq_len 6 with reasoning") for line in lines)

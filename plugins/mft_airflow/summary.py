@@ -23,7 +23,7 @@ from pipeline_core.artifacts import (
     require_manifest,
 )
 from pipeline_core.config import DPOSettings, ReleaseSection, StorageSection, TrackingSection, load_config
-from pipeline_core.handoffs import FileEntry
+from pipeline_core.handoffs import EnrichedInfo, FileEntry, SourcesSummary, StageCounts
 from pipeline_core.pointers import read_pointer
 from pipeline_core.run_records import EvalMetrics, M, RunReportInfo, StepMetrics, read_rows
 from pipeline_core.store import open_store
@@ -81,21 +81,22 @@ def _sources(plan: RunPlan, storage: StorageSection | None) -> dict[str, Any] | 
     en, tr = read_manifest(plan.enriched_uri, storage), read_manifest(plan.train_ready_uri, storage)
     if en is None or tr is None:
         return None
-    return {"splits": source_split_rows(en, tr), "prompt_sources": en.extra.get("prompt_sources") or {}}
+    return SourcesSummary(splits=source_split_rows(en, tr),
+                          prompt_sources=EnrichedInfo.from_manifest(en).prompt_sources).to_summary()
 
 
-def _fmt_sources(s: dict[str, Any] | None) -> list[str]:
-    if not s:
+def _fmt_sources(stored: dict[str, Any] | None) -> list[str]:
+    if not stored:
         return []
-    lines = []
-    for name, c in sorted(s["prompt_sources"].items()):
-        where = c.get("uri") or f"not configured ({c.get('config_key')})"
-        lines.append(f"  prompts {name}: {c['restored']} restored, {c['unrestorable']} unrestorable <- {where}")
-    for split, r in s["splits"].items():
-        fit = (f"fit seq_len {r['fit_with']} with reasoning / {r['fit_without']} without, of {r['measured']}"
-               if r.get("measured") is not None else "not measured")
-        rejected = ", ".join(f"{k}={n}" for k, n in sorted(r["rejected"].items())) or "none"
-        lines.append(f"  split   {split}: in {r['in']}, kept {r.get('kept')}; {fit}; rejected: {rejected}")
+    s, lines = SourcesSummary.read(stored), []
+    for name, c in sorted(s.prompt_sources.items()):
+        where = c.uri or f"not configured ({c.config_key})"
+        lines.append(f"  prompts {name}: {c.restored} restored, {c.unrestorable} unrestorable <- {where}")
+    for split, r in s.splits.items():
+        fit = (f"fit seq_len {r.fit_with} with reasoning / {r.fit_without} without, of {r.measured}"
+               if r.measured is not None else "not measured")
+        rejected = ", ".join(f"{k}={n}" for k, n in sorted(r.rejected.items())) or "none"
+        lines.append(f"  split   {split}: in {r.rows_in}, kept {r.kept}; {fit}; rejected: {rejected}")
     return lines
 
 
@@ -224,13 +225,12 @@ def newest_summary(store_uri: str, storage: StorageSection | None, objective: st
 
 
 def _fmt_counts(counts: dict[str, Any] | None) -> str:
+    """A stage's manifest counts as the summary stored them (StageCounts' on-disk form)."""
     if not counts:
         return "(no counts)"
-    rejected = counts.get("rejected") or {}
-    rej = ", ".join(f"{k}={v}" for k, v in sorted(rejected.items())) or "none"
-    extra = {k: v for k, v in counts.items() if k not in ("in", "out", "rejected")}
-    tail = "  " + ", ".join(f"{k}={v}" for k, v in extra.items()) if extra else ""
-    return f"rows in={counts.get('in')} out={counts.get('out')}  rejected: {rej}{tail}"
+    c = StageCounts.read(counts)
+    rej = ", ".join(f"{k}={v}" for k, v in sorted(c.rejected.items())) or "none"
+    return f"rows in={c.rows_in} out={c.rows_out}  rejected: {rej}"
 
 
 def _fmt_promotion(p: dict[str, Any] | None) -> list[str]:
