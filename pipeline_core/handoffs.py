@@ -2,8 +2,13 @@
 
 The filter stage writes `TrainReadyInfo` into the train-ready manifest's `extra`; the trainer, the
 data report and the Airflow summary read it back with `TrainReadyInfo.from_manifest`, never by
-string keys of their own. A field added here is a contract change: bump nothing, but give it a
-default so manifests committed before it still read.
+string keys of their own. The same holds for a manifest's `counts` (`StageCounts`) and `files`
+(`FileEntry`), each stage's other `extra` parts (`_ExtraPart` subclasses), and the data report's XCom
+(`ReportRef`). Writers construct models by field name; `read`/`from_manifest` accept the on-disk
+keys only. A field added here is a contract change: bump nothing, but give it a default so
+manifests committed before it still read. What a training run writes for others to read (metrics
+columns, promotion decisions) is in `pipeline_core/run_records.py`; stage and split names in
+`pipeline_core/names.py`.
 """
 
 from __future__ import annotations
