@@ -22,7 +22,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticUndefined
 
-from pipeline_core import uris
+from pipeline_core import settings_loader, uris
+from pipeline_core.settings_loader import PrefixedEnvSource, SettingsSourceError, ValuesSource
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ENV_PREFIX = "MFT__"
@@ -770,26 +771,19 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Config:
-    """Defaults < file < environment (`MFT__SECTION__FIELD`) < overrides (`{"section": {...}}` or `{"section.field": v}`)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        data = _read_file(Path(uris.to_local_path(path) if uris.scheme_of(str(path)) else path))
+    """Defaults < file < environment (`MFT__SECTION__FIELD`, default `os.environ`) < overrides
+    (`{"section": {...}}` or `{"section.field": v}`); sections merge field by field."""
     env = os.environ if env is None else env
-    for key, raw in sorted(env.items()):
-        if not key.startswith(ENV_PREFIX):
-            continue
-        parts = key[len(ENV_PREFIX) :].lower().split("__")
-        if len(parts) != 2 or not all(parts):
-            raise ConfigError(f"environment variable {key}: expected {ENV_PREFIX}<SECTION>__<FIELD>")
-        _set(data, parts, yaml.safe_load(raw) if raw != "" else None)
-    for key, value in (overrides or {}).items():
-        if isinstance(value, Mapping) and "." not in key:
-            for field, v in value.items():
-                _set(data, [key, field], v)
-        else:
-            _set(data, key.split("."), value)
     try:
-        return Config.model_validate(data)
+        sources = [
+            ValuesSource(Config, _read_file(Path(uris.to_local_path(path) if uris.scheme_of(str(path)) else path))
+                         if path is not None else {}),
+            PrefixedEnvSource(Config, env, ENV_PREFIX, depth=2, shape="<SECTION>__<FIELD>"),
+            ValuesSource(Config, _overrides(overrides or {})),
+        ]
+        return settings_loader.load(Config, sources, depth=2)
+    except SettingsSourceError as e:
+        raise ConfigError(str(e)) from None
     except ValidationError as e:
         raise ConfigError(_describe(e)) from None
 
@@ -806,13 +800,16 @@ def _read_file(p: Path) -> dict[str, Any]:
     return loaded
 
 
-def _set(data: dict[str, Any], parts: list[str], value: Any) -> None:
-    if len(parts) != 2:
-        raise ConfigError(f"config key {'.'.join(parts)!r}: expected <section>.<field>")
-    section = data.setdefault(parts[0], {})
-    if not isinstance(section, dict):
-        raise ConfigError(f"config section {parts[0]!r} must be a mapping")
-    section[parts[1]] = value
+def _overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"section": {...}}` / `{"section.field": v}` -> `{section: {field: v}}`."""
+    data: dict[str, Any] = {}
+    for key, value in overrides.items():
+        for parts, v in ([([key, f], v) for f, v in value.items()] if isinstance(value, Mapping) and "." not in key
+                         else [(key.split("."), value)]):
+            if len(parts) != 2:
+                raise ConfigError(f"config key {'.'.join(parts)!r}: expected <section>.<field>")
+            settings_loader.put(data, parts, v)
+    return data
 
 
 def _describe(err: ValidationError) -> str:
