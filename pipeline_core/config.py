@@ -2,7 +2,8 @@
 
 Sources, later wins: the defaults below (the embedded, laptop-scale setup), a YAML/JSON file,
 environment variables `MFT__<SECTION>__<FIELD>` (values parsed as YAML, so `[chat, code]` and
-`1e-4` work), then explicit overrides (Airflow Params). Validation happens at load time, before
+`1e-4` work), then explicit overrides (Airflow Params); `pipeline_core.settings_loader` merges them
+(a section field by field). Validation happens at load time, before
 any compute: an invalid value raises `ConfigError` naming the field and what is allowed.
 Each stage gets one resolved file (`Config.dump`) and nothing else.
 """
