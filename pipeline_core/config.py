@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +22,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticUndefined
+from pydantic_settings import PydanticBaseSettingsSource
 
 from pipeline_core import settings_loader, uris
 from pipeline_core.settings_loader import PrefixedEnvSource, SettingsSourceError, ValuesSource
@@ -774,19 +775,22 @@ def load_config(
 ) -> Config:
     """Defaults < file < environment (`MFT__SECTION__FIELD`, default `os.environ`) < overrides
     (`{"section": {...}}` or `{"section.field": v}`); sections merge field by field."""
-    env = os.environ if env is None else env
     try:
-        sources = [
-            ValuesSource(Config, _read_file(Path(uris.to_local_path(path) if uris.scheme_of(str(path)) else path))
-                         if path is not None else {}),
-            PrefixedEnvSource(Config, env, ENV_PREFIX, depth=2, shape="<SECTION>__<FIELD>"),
-            ValuesSource(Config, _overrides(overrides or {})),
-        ]
-        return settings_loader.load(Config, sources, depth=2)
+        return settings_loader.load(Config, _sources(path, overrides or {}, os.environ if env is None else env),
+                                    depth=2)
     except SettingsSourceError as e:
         raise ConfigError(str(e)) from None
     except ValidationError as e:
         raise ConfigError(_describe(e)) from None
+
+
+def _sources(path: str | Path | None, overrides: Mapping[str, Any],
+             env: Mapping[str, str]) -> Iterator[PydanticBaseSettingsSource]:
+    """Lowest first; a generator, so each is read after those below it merged (the first error wins)."""
+    yield ValuesSource(Config, _read_file(Path(uris.to_local_path(path) if uris.scheme_of(str(path)) else path))
+                       if path is not None else {})
+    yield PrefixedEnvSource(Config, env, ENV_PREFIX, depth=2, shape="<SECTION>__<FIELD>")
+    yield ValuesSource(Config, _overrides(overrides))
 
 
 def _read_file(p: Path) -> dict[str, Any]:

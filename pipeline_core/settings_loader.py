@@ -11,7 +11,7 @@ only where a loader is called.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import yaml
@@ -74,7 +74,8 @@ class PrefixedEnvSource(ValuesSource):
             try:
                 value = parse(raw)
             except yaml.YAMLError as e:
-                raise SettingsSourceError(f"environment variable {key}: {raw!r} is not YAML ({e})") from None
+                raise SettingsSourceError(f"environment variable {key}: {raw!r} is not YAML "
+                                          f"({getattr(e, 'problem', None) or e})") from None
             put(values, parts, value)
         super().__init__(settings_cls, values)
 
@@ -95,7 +96,7 @@ def merge(into: dict[str, Any], new: Mapping[str, Any], depth: int) -> None:
             into[key] = value
 
 
-def load(model: type[M], sources: Sequence[PydanticBaseSettingsSource], *, depth: int = 1) -> M:
+def load(model: type[M], sources: Iterable[PydanticBaseSettingsSource], *, depth: int = 1) -> M:
     """`model` from `sources`, lowest precedence first (the model's defaults lie under them all).
     Raises SettingsSourceError (a source) or pydantic's ValidationError (the merged values)."""
     data: dict[str, Any] = {}
