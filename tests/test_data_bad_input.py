@@ -22,9 +22,10 @@ from pipeline_core import uris
 from pipeline_core.artifacts import CorruptArtifact, read_manifest
 from pipeline_core.config import load_config
 from samples import nemotron_v1
+from samples.enriched import enriched_table, publish_enriched
 from spark_jobs.common import StageFailed
 from spark_jobs.enrich import job as enrich
-from tests.filter_helpers import FILTER_SETTINGS, KEEP, enriched_table, publish_enriched
+from tests.filter_helpers import FILTER_SETTINGS, KEEP
 
 DEEP = 100_000  # nesting levels: far past Python's recursion limit (json.loads raises RecursionError)
 
