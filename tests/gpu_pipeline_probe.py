@@ -26,9 +26,10 @@ def main(out: Path, steps: int, attention: str, kernels: str) -> None:
 
     from bench.train_throughput import RepeatingBatches, make_micro_batches
     from tests.gpu_helpers import tiny_config
+    from tests.training_helpers import causal_lm_loss
     from training.engine import FastKernels, build_engine
     from training.loss import StepBatches
-    from training.model import build_pipeline_module, causal_lm_loss, pipe_layers
+    from training.model import build_pipeline_module, pipe_layers
     from training.weights import load_stage_weights
 
     cuda = torch.cuda.is_available()  # CPU (gloo) only for a dry run of this probe's logic

@@ -16,6 +16,7 @@ import torch
 
 from bench.kernel_bench import packed_position_ids
 from tests.gpu_helpers import Limits, rel_err, tiny_config
+from tests.training_helpers import causal_lm_loss
 
 pytestmark = pytest.mark.gpu
 
@@ -58,12 +59,11 @@ def test_varlen_attention_matches_a_float32_dense_reference(limits):
 
 def test_liger_layer_and_fused_loss_are_as_close_to_float32_as_the_reference_bf16_path(limits):
     from training.kernels import apply_fast_kernels
-    from training.loss import TokenMeanLoss, count_targets
+    from training.loss import TokenMeanLoss
     from training.model import (
         DecoderLayerPipe,
         LMHeadPipe,
         PackedAttentionContext,
-        causal_lm_loss,
         causal_lm_loss_sum,
         shift_targets,
     )
@@ -94,7 +94,7 @@ def test_liger_layer_and_fused_loss_are_as_close_to_float32_as_the_reference_bf1
     x = torch.randn(2, 1024, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     labels = torch.randint(0, cfg.vocab_size, (2, 1024), device="cuda")
     targets = shift_targets(labels, pos)
-    holder.loss_fn.begin(count_targets(targets), 1, 1)  # one micro-batch: the token mean
+    holder.loss_fn.begin(int(TokenMeanLoss.count(targets)), 1, 1)  # one micro-batch: the token mean
 
     def run(layer, head, loss_fn):
         xi = x.clone().requires_grad_()
