@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/filter_bench.py [--scale 100] [--seq-len 1024] [--lsh-rows 20000] [--master local[2]]
 
-1. render+pack: the bundled sample's generator scaled up (`pipeline_core.sample_data.generate`,
+1. render+pack: the bundled sample's generator scaled up (`samples.nemotron_v1.generate`,
    300 x scale records), the records enrich's own normalisation keeps (pure Python; no
    embeddings needed for this part), with their `messages` as the filter gets them. Then the
    stage's own `render_docs.render_partitions` (the whole conversation in the Mistral v1 chat
@@ -43,7 +43,7 @@ def sample_rows(scale: int) -> list[dict]:
     """The generated sample x scale as the filter's render input: the records enrich keeps, with
     their messages, metadata and context units (no embeddings, so no context scores)."""
     from pipeline_core.config import EnrichSection
-    from pipeline_core.sample_data import generate
+    from samples.nemotron_v1 import generate
     from spark_jobs.enrich.job import normalise_raw
     from spark_jobs.filter.split import split_of
 
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(out["render_pack"]), flush=True)
         if args.skip != "lsh":
             from pipeline_core.config import EnrichSection
-            from pipeline_core.sample_data import generate
+            from samples.nemotron_v1 import generate
             from spark_jobs.enrich.embeddings import encode
             from spark_jobs.enrich.job import normalise_raw
 

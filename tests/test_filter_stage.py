@@ -15,6 +15,7 @@ from pipeline_core import uris
 from pipeline_core.artifacts import ArtifactConflict, fetch_artifact
 from pipeline_core.config import ConfigError, FilterSection, load_config
 from pipeline_core.handoffs import IGNORE_INDEX
+from samples.enriched import publish_enriched
 from spark_jobs.conversations.chat_format import load_tokenizer
 from spark_jobs.conversations.conversation import (
     ConversationOptions,
@@ -24,15 +25,7 @@ from spark_jobs.conversations.conversation import (
 )
 from spark_jobs.filter.split import split_column, split_of
 from spark_jobs.packing import split_documents
-from tests.filter_helpers import (
-    EXACT,
-    FILTER_SETTINGS,
-    KEEP,
-    NEAR,
-    REJECT,
-    crafted_table,
-    publish_enriched,
-)
+from tests.filter_helpers import EXACT, FILTER_SETTINGS, KEEP, NEAR, REJECT, crafted_table
 
 
 def make_cfg(root: Path, **filter_overrides):

@@ -18,8 +18,9 @@ from bench.neardup_corpus import corpus
 from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact
 from pipeline_core.config import ConfigError, load_config
+from samples.enriched import Rec, embed, enriched_table, publish_enriched
 from spark_jobs.near_dups.near_dup_guard import guard_features, guard_key, normalise_number
-from tests.filter_helpers import FILTER_SETTINGS, Rec, embed, enriched_table, publish_enriched
+from tests.filter_helpers import FILTER_SETTINGS
 
 THRESHOLD = 0.9
 
