@@ -54,7 +54,7 @@ def sample_rows(scale: int) -> list[dict]:
 RENDER_INPUT_SCHEMA = (
     "id string, category string, key long, split string, reason string, raw string, messages_json string, "
     "metadata string, reasoning string, context_sentences array<string>, context_turns array<int>, "
-    "context_question_scores array<double>"
+    "context_question_scores array<double>, rejected string"
 )
 
 
@@ -70,7 +70,7 @@ def bench_render_pack(spark, rows: list[dict], seq_len: int, work: Path) -> dict
     pad_id = load_tokenizer(fcfg.tokenizer).pad_id
     df = spark.createDataFrame(
         [(r["id"], r["category"], i, r["split"], None, None, r["messages_json"], r["metadata"], r["reasoning"],
-          r["context_sentences"], r["context_turns"], None) for i, r in enumerate(rows)],
+          r["context_sentences"], r["context_turns"], None, None) for i, r in enumerate(rows)],
         RENDER_INPUT_SCHEMA,
     ).repartition(2).persist()
     assert tuple(df.columns) == RENDER_COLUMNS, df.columns  # what the stage feeds render_partitions
