@@ -324,6 +324,14 @@ class EvalSetSpec(Section):
         return self
 
 
+# The LSH method's settings at their defaults, as every config the code before issue 33 dumped holds them
+# (each in-flight run's resolved file among them). Under 'cluster' they changed nothing (its seed, lsh_seed,
+# was 0 = near_dup_seed's default), so such a file still loads and a run resumes across the upgrade; any
+# other value, or near_dup_method 'lsh', is refused with what to change (FilterSection.retired).
+RETIRED_LSH_DEFAULTS = {"lsh_bands": 48, "lsh_min_band_matches": 2, "lsh_rows_per_band": 16, "lsh_max_leaders": 32,
+                        "lsh_seed": 0}
+
+
 class FilterSection(SparkStageSection):
     """Similarity filter, deduplication, split, tokenize and pack (spark_jobs/filter/job.py)."""
 
@@ -334,13 +342,9 @@ class FilterSection(SparkStageSection):
         0.9, ge=0.5, le=1.0,
         description="Near duplicates: mean of question and answer cosine >= this (null = off); paraphrases score ~0.92-0.98", trigger=True,
     )
-    lsh_bands: int = content(48, ge=1, le=512, description="LSH bands (more = higher recall, more candidates)", trigger=True)
-    lsh_min_band_matches: int = content(2, ge=1, le=512, description="Bands two records must share to be compared", trigger=True)
-    lsh_rows_per_band: int = content(16, ge=1, le=62, description="Sign bits per band (more = fewer, purer candidates)", trigger=True)
-    lsh_max_leaders: int = content(32, ge=1, le=100_000, description="Per bucket, members are compared with this many smallest keys", trigger=True)
-    lsh_seed: int = content(0, trigger=True)
-    near_dup_method: Literal["cluster", "lsh"] = content(
-        "cluster", description="cluster: k-means first, exact cosine inside clusters (recall independent of N); lsh", trigger=True)
+    near_dup_method: Literal["cluster"] = content(
+        "cluster", description="cluster: k-means first, exact cosine inside clusters (recall independent of N); "
+        "'lsh' was retired in issue 33 and is refused (docs/filter.md)", trigger=True)
     near_dup_guard: Literal["numbers", "none"] = content(
         "numbers", description="numbers: near duplicates must also agree on the question's numbers, code identifiers "
         "and literals, and the final answer (docs/filter.md); none: similarity alone", trigger=True)
@@ -353,6 +357,9 @@ class FilterSection(SparkStageSection):
     near_dup_coarse_probes: int = content(
         8, ge=0, le=4096, description="centroid index: coarse lists scored per row (about sqrt(clusters) "
         "centroids each); 0 = score every centroid (exact, O(rows x clusters))", trigger=True)
+    near_dup_seed: int = content(
+        0, description="Seed of the near-duplicate k-means (its sample rows, k-means++ seeds, splits, centroid index)",
+        trigger=True)
     near_dup_recall_sample: int = execution(2000, ge=0, le=1_000_000,
                                         description="rows checked by brute force for the measured recall (0 = off)")
     min_answer_tokens: int = content(1, ge=0, description="Drop answers shorter than this (tokens, without </s>)", trigger=True)
@@ -432,10 +439,38 @@ class FilterSection(SparkStageSection):
                 raise ValueError(f"pattern {p!r} is not a regular expression: {e}") from None
         return v
 
+    @classmethod
+    def retired(cls, settings: Mapping[str, Any], *, old_dump_ok: bool = True) -> list[str]:
+        """What to change in a raw filter section written for the LSH method (retired in issue 33).
+        `old_dump_ok`: LSH settings at their old defaults pass (see RETIRED_LSH_DEFAULTS)."""
+        problems = []
+        if settings.get("near_dup_method") == "lsh":
+            problems.append("filter.near_dup_method 'lsh' was retired in issue 33 (its recall fell as the rows "
+                            "grew, docs/scale.md): use 'cluster' (the default)")
+        changed = {k: v for k, v in settings.items() if k.startswith("lsh_")
+                   and not (old_dump_ok and k in RETIRED_LSH_DEFAULTS and v == RETIRED_LSH_DEFAULTS[k])}
+        if "lsh_seed" in changed:
+            problems.append(f"filter.lsh_seed={changed.pop('lsh_seed')!r} was retired with the LSH method (issue 33): "
+                            "set filter.near_dup_seed instead (the k-means seed, which read lsh_seed before)")
+        if changed:
+            problems.append(f"{', '.join(f'filter.{k}={v!r}' for k, v in sorted(changed.items()))}: settings of the "
+                            "LSH method, retired in issue 33: remove them (the 'cluster' method never read them; "
+                            "near_dup_cluster_size and near_dup_probes tune it)")
+        return problems
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_retired(cls, data: Any) -> Any:
+        # before field validation: an old config gets what to change, not "extra inputs are not permitted"
+        if not isinstance(data, Mapping):
+            return data
+        problems = cls.retired(data)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return {k: v for k, v in data.items() if k not in RETIRED_LSH_DEFAULTS}
+
     @model_validator(mode="after")
-    def _lsh(self) -> FilterSection:
-        if self.lsh_min_band_matches > self.lsh_bands:
-            raise ValueError(f"lsh_min_band_matches={self.lsh_min_band_matches} > lsh_bands={self.lsh_bands}")
+    def _cross_fields(self) -> FilterSection:
         names = [e.name for e in self.decontaminate]
         if len(set(names)) != len(names):
             raise ValueError(f"decontaminate: eval set names {names} must be unique (set 'name' on each)")
