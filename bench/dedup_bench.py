@@ -1,7 +1,7 @@
 """Near-duplicate detection at growing N: time and recall of the filter's `dedup.near_duplicates`
-on synthetic anisotropic vectors, plus the analytic LSH curve up to 25 M.
+on synthetic anisotropic vectors.
 
-    .venv/bin/python bench/dedup_bench.py --sizes 250000,1000000,4000000 [--method cluster] [--json OUT]
+    .venv/bin/python bench/dedup_bench.py --sizes 250000,1000000,4000000 [--json OUT]
     .venv/bin/python bench/dedup_bench.py --model-only   # the compute terms timed, the curve to 25.7 M
 
 Vectors: [q; a], each half unit-norm, 384 dims (MiniLM's). Anisotropic like MiniLM: every vector
@@ -89,7 +89,7 @@ def run_one(spark, n: int, work: Path, args) -> dict:
     # keys in a shuffled order: a planted twin is the larger key half of the time
     df = spark.read.parquet(f"file://{path}").withColumn("_key", F.xxhash64("id")).persist()
     df.count()
-    settings = NearDupSettings(threshold=args.threshold, method=args.method, recall_sample=args.recall_sample,
+    settings = NearDupSettings(threshold=args.threshold, recall_sample=args.recall_sample,
                                cluster=ClusterSettings(cluster_size=args.cluster_size,
                                                             coarse_probes=args.coarse_probes))
     cpu0, t0 = cpu_seconds(), time.perf_counter()
@@ -174,11 +174,9 @@ def cost_model(cluster_size: int, probes: int, copies_per_row: float, leaves_per
 
 def main(argv: list[str] | None = None) -> int:
     from spark_jobs.common import spark_session
-    from spark_jobs.near_dups.dedup import lsh_candidate_probability, plan_lsh
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="250000,1000000,4000000")
-    ap.add_argument("--method", default="cluster", choices=["cluster", "lsh"])
     ap.add_argument("--threshold", type=float, default=0.9)
     ap.add_argument("--cluster-size", type=int, default=2000)
     ap.add_argument("--coarse-probes", type=int, default=8, help="near_dup_coarse_probes (0 = exhaustive assignment)")
@@ -200,13 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     res: dict = {"date": datetime.now(UTC).isoformat(timespec="seconds"),
                  "machine": f"{platform.node()} {os.cpu_count()} cpus, load avg {os.getloadavg()[0]:.1f}",
                  "command": "bench/dedup_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]), "runs": []}
-    res["lsh_analytic"] = []
-    for n in (250_000, 1_000_000, 4_000_000, 25_700_000):
-        s = plan_lsh(n, a.threshold, max_leaders=32, min_band_matches=2)
-        res["lsh_analytic"].append({"rows": n, "rows_per_band": s.rows_per_band, "bands": s.bands,
-                                    "recall_at_threshold": round(lsh_candidate_probability(a.threshold, s.bands, s.rows_per_band, 2), 4),
-                                    "old_defaults_mean_bucket": round(n / 2**16, 1),
-                                    "bucket_rows": s.bands * n})
     spark = spark_session("dedup-bench", a.master, 8, {"spark.ui.enabled": "false", "spark.driver.memory": a.driver_memory,
                                                         "spark.sql.execution.arrow.maxRecordsPerBatch": "4096"})
     with tempfile.TemporaryDirectory(prefix="dedup-bench-") as tmp:

@@ -98,8 +98,9 @@ def main() -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline_core import sample_data, uris
+    from pipeline_core import uris
     from pipeline_core.config import load_config
+    from samples import nemotron_v1
     from spark_jobs.common import spark_session
     from spark_jobs.enrich import job as enrich
 
@@ -110,7 +111,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-enrich-") as tmp:
         src = Path(tmp) / "src" / "data"
         src.mkdir(parents=True)
-        pq.write_table(pa.Table.from_pylist(records, schema=sample_data.arrow_schema()), src / "chat-00000-of-00001.parquet")
+        pq.write_table(pa.Table.from_pylist(records, schema=nemotron_v1.arrow_schema()), src / "chat-00000-of-00001.parquet")
         cfg = load_config(env={}, overrides={
             "pipeline.staging_uri": uris.qualify(Path(tmp) / "staging"),
             "enrich": {"spark_master": a.master, "shuffle_partitions": a.partitions, "splits": ["chat"],

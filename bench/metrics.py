@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from training.flops import H200_PEAK_FLOPS as H100_H200_BF16_DENSE_FLOPS
 from training.flops import ModelShape, flops_per_token
+from training.flops import mfu as mfu_of
 
 MISTRAL_7B = ModelShape(
     vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -23,7 +24,7 @@ MISTRAL_7B = ModelShape(
 
 
 def mfu(tokens_per_s_per_gpu: float, shape: ModelShape, seq_len: int, peak: float = H100_H200_BF16_DENSE_FLOPS) -> float:
-    return tokens_per_s_per_gpu * flops_per_token(shape, seq_len) / peak
+    return mfu_of(tokens_per_s_per_gpu, flops_per_token(shape, seq_len), peak)
 
 
 def tokens_per_s_for_mfu(target: float, shape: ModelShape, seq_len: int, peak: float = H100_H200_BF16_DENSE_FLOPS) -> float:

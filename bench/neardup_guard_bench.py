@@ -42,7 +42,7 @@ def build_input(work: Path, variants: int) -> tuple[str, list, dict]:
     from bench.neardup_corpus import corpus
     from pipeline_core import uris
     from pipeline_core.artifacts import read_manifest
-    from tests.filter_helpers import Rec, enriched_table, publish_enriched
+    from samples.enriched import Rec, enriched_table, publish_enriched
 
     items = corpus(variants=variants, reworded=variants // 4, copies=variants // 8, negatives=variants // 12)
     cache = work / f"enriched-{variants}.parquet"  # the embedding is the slow part: once per work dir

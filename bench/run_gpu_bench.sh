@@ -44,9 +44,11 @@ for phase in $phases; do
       ;;
     checks)
       echo "=== checks ($(date +%T))"
-      timeout -k 10 240 $PY bench/gpu_checks.py kernels --out "$BENCH_OUT" 2>&1 | grep -vE "Warning|warn\(" | tail -40
-      timeout -k 10 180 $TR bench/gpu_checks.py pipeline --steps 200 --out "$BENCH_OUT" 2>&1 \
-        | grep -E "PASS|FAIL|loss|Error" | tail -12
+      # pass/fail: the tests marked gpu (every measured value printed and in checks.xml's properties);
+      # then the kernel timings (kernel_bench.json)
+      timeout -k 10 420 $PY -m pytest -q -rA -p no:cacheprovider -m gpu --junitxml "$BENCH_OUT/checks.xml" \
+          tests/test_gpu_kernels.py tests/test_gpu_pipeline.py 2>&1 | grep -E "PASS|FAIL|loss|Error|passed|failed|skipped" | tail -60
+      timeout -k 10 240 $PY bench/kernel_bench.py --out "$BENCH_OUT" 2>&1 | grep -vE "Warning|warn\(" | tail -40
       ;;
     baselines)
       row hf_single 240 $PY $T --setup hf_single --micro-batch 4 --act-ckpt 1

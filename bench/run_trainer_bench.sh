@@ -8,7 +8,7 @@
 #                                                  (default: main checks extra)
 # main:   the trainer (training/train.py's own setup + loader, fp32 grad accumulation) vs the plain
 #         HF loop with Liger + window-free SDPA + no recompute, (a) pure bf16, (b) fp32 master weights
-# checks: the GPU correctness checks against their limits (tests/test_gpu_checks.py)
+# checks: the GPU correctness checks against their limits (`pytest -m gpu`: tests/test_gpu_kernels.py)
 # extra:  the trainer on packed documents; the trainer with bf16 gradient accumulation
 # levers: issue 17's levers beside the baselines (profiles of the trainer and HF bf16 steps;
 #         host syncs + pageable copies as before; compiled decoder layers; compiled + bf16 accum)
@@ -89,8 +89,9 @@ for phase in ${*:-main checks extra}; do
       ;;
     wgrad)
       echo "=== wgrad check ($(date +%T))"
-      timeout -k 10 120 $PY bench/gpu_checks.py kernels --only check_wgrad_fusion --out "$BENCH_OUT/wgrad_check" 2>&1 \
-        | grep -E "PASS|FAIL|wgrad|Error" | head -8
+      timeout -k 10 120 $PY -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu_kernels.py -k wgrad 2>&1 \
+        | grep -E "PASS|FAIL|Error|passed|failed" | head -8
+      timeout -k 10 120 $PY bench/kernel_bench.py --only wgrad --out "$BENCH_OUT/wgrad_check" 2>&1 | grep -E "wgrad|Error" | head -4
       row trainer 200 $TR "${TRAINER[@]}"
       row hf_bf16 150 $PY $T "${HF[@]}" --master bf16
       row trainer_wgrad_unfused 200 $TR "${TRAINER[@]}" --fused-wgrad 0
@@ -143,8 +144,8 @@ for phase in ${*:-main checks extra}; do
     longctx)
       if [ "${LC_PARITY:-1}" = 1 ]; then
         echo "=== window parity ($(date +%T))"
-        timeout -k 10 240 $PY bench/gpu_checks.py kernels --only check_window_parity --out "$BENCH_OUT/window_check" 2>&1 \
-          | grep -E "PASS|FAIL|Error" | head -12
+        timeout -k 10 240 $PY -m pytest -q -rA -p no:cacheprovider -m gpu tests/test_gpu_kernels.py -k window \
+            --junitxml "$BENCH_OUT/window_check.xml" 2>&1 | grep -E "PASS|FAIL|Error|passed|failed" | head -12
       fi
       LC=("${TRAINER[@]}" --sliding-window none)
       common "$LAYERS" 1 "${LC_GA:-4}" "${LC_STEPS:-3}" 1 "${LC_SEQ:-16384}"
@@ -159,7 +160,8 @@ for phase in ${*:-main checks extra}; do
       ;;
     checks)
       echo "=== checks ($(date +%T))"
-      timeout -k 10 150 $PY -m pytest -q -p no:cacheprovider tests/test_gpu_checks.py tests/test_bench_gpu_paths.py 2>&1 | tail -6
+      timeout -k 10 150 $PY -m pytest -q -p no:cacheprovider -rs tests/test_gpu_kernels.py tests/test_training_fast_kernels.py \
+          tests/test_training_flops.py tests/test_bench_metrics.py tests/test_bench_report.py tests/test_bench_train_throughput.py 2>&1 | tail -8
       ;;
     extra)
       row trainer_packed 200 $TR $T --setup trainer --stages 1 --docs packed --attention auto --kernels auto

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import subprocess
 import time
 import uuid
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline_core import uris
 from pipeline_core.config import PROJECT_ROOT, stable_hash
 from pipeline_core.handoffs import FileEntry, RowsPerSplit, StageCounts, UnbalancedCounts
+from pipeline_core.settings_loader import load_process_settings
 from pipeline_core.store import (
     ChecksumMismatch,
     ObjectNotFound,
@@ -156,8 +156,8 @@ def content_hash(files: list[FileEntry]) -> str:
 @functools.lru_cache(maxsize=1)
 def code_version() -> str:
     """The git commit of the code that made an artifact (MFT_CODE_VERSION wins, for images)."""
-    if os.environ.get("MFT_CODE_VERSION"):
-        return os.environ["MFT_CODE_VERSION"]
+    if pinned := load_process_settings().code_version:
+        return pinned
     try:
         sha = subprocess.run(
             ["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5

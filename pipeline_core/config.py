@@ -2,7 +2,8 @@
 
 Sources, later wins: the defaults below (the embedded, laptop-scale setup), a YAML/JSON file,
 environment variables `MFT__<SECTION>__<FIELD>` (values parsed as YAML, so `[chat, code]` and
-`1e-4` work), then explicit overrides (Airflow Params). Validation happens at load time, before
+`1e-4` work), then explicit overrides (Airflow Params); `pipeline_core.settings_loader` merges them
+(a section field by field). Validation happens at load time, before
 any compute: an invalid value raises `ConfigError` naming the field and what is allowed.
 Each stage gets one resolved file (`Config.dump`) and nothing else.
 """
@@ -13,7 +14,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
@@ -21,8 +22,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticUndefined
+from pydantic_settings import PydanticBaseSettingsSource
 
-from pipeline_core import uris
+from pipeline_core import settings_loader, uris
+from pipeline_core.settings_loader import PrefixedEnvSource, SettingsSourceError, ValuesSource
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ENV_PREFIX = "MFT__"
@@ -321,6 +324,14 @@ class EvalSetSpec(Section):
         return self
 
 
+# The LSH method's settings at their defaults, as every config the code before issue 33 dumped holds them
+# (each in-flight run's resolved file among them). Under 'cluster' they changed nothing (its seed, lsh_seed,
+# was 0 = near_dup_seed's default), so such a file still loads and a run resumes across the upgrade; any
+# other value, or near_dup_method 'lsh', is refused with what to change (FilterSection.retired).
+RETIRED_LSH_DEFAULTS = {"lsh_bands": 48, "lsh_min_band_matches": 2, "lsh_rows_per_band": 16, "lsh_max_leaders": 32,
+                        "lsh_seed": 0}
+
+
 class FilterSection(SparkStageSection):
     """Similarity filter, deduplication, split, tokenize and pack (spark_jobs/filter/job.py)."""
 
@@ -331,13 +342,9 @@ class FilterSection(SparkStageSection):
         0.9, ge=0.5, le=1.0,
         description="Near duplicates: mean of question and answer cosine >= this (null = off); paraphrases score ~0.92-0.98", trigger=True,
     )
-    lsh_bands: int = content(48, ge=1, le=512, description="LSH bands (more = higher recall, more candidates)", trigger=True)
-    lsh_min_band_matches: int = content(2, ge=1, le=512, description="Bands two records must share to be compared", trigger=True)
-    lsh_rows_per_band: int = content(16, ge=1, le=62, description="Sign bits per band (more = fewer, purer candidates)", trigger=True)
-    lsh_max_leaders: int = content(32, ge=1, le=100_000, description="Per bucket, members are compared with this many smallest keys", trigger=True)
-    lsh_seed: int = content(0, trigger=True)
-    near_dup_method: Literal["cluster", "lsh"] = content(
-        "cluster", description="cluster: k-means first, exact cosine inside clusters (recall independent of N); lsh", trigger=True)
+    near_dup_method: Literal["cluster"] = content(
+        "cluster", description="cluster: k-means first, exact cosine inside clusters (recall independent of N); "
+        "'lsh' was retired in issue 33 and is refused (docs/filter.md)", trigger=True)
     near_dup_guard: Literal["numbers", "none"] = content(
         "numbers", description="numbers: near duplicates must also agree on the question's numbers, code identifiers "
         "and literals, and the final answer (docs/filter.md); none: similarity alone", trigger=True)
@@ -350,6 +357,9 @@ class FilterSection(SparkStageSection):
     near_dup_coarse_probes: int = content(
         8, ge=0, le=4096, description="centroid index: coarse lists scored per row (about sqrt(clusters) "
         "centroids each); 0 = score every centroid (exact, O(rows x clusters))", trigger=True)
+    near_dup_seed: int = content(
+        0, description="Seed of the near-duplicate k-means (its sample rows, k-means++ seeds, splits, centroid index)",
+        trigger=True)
     near_dup_recall_sample: int = execution(2000, ge=0, le=1_000_000,
                                         description="rows checked by brute force for the measured recall (0 = off)")
     min_answer_tokens: int = content(1, ge=0, description="Drop answers shorter than this (tokens, without </s>)", trigger=True)
@@ -429,10 +439,38 @@ class FilterSection(SparkStageSection):
                 raise ValueError(f"pattern {p!r} is not a regular expression: {e}") from None
         return v
 
+    @classmethod
+    def retired(cls, settings: Mapping[str, Any], *, old_dump_ok: bool = True) -> list[str]:
+        """What to change in a raw filter section written for the LSH method (retired in issue 33).
+        `old_dump_ok`: LSH settings at their old defaults pass (see RETIRED_LSH_DEFAULTS)."""
+        problems = []
+        if settings.get("near_dup_method") == "lsh":
+            problems.append("filter.near_dup_method 'lsh' was retired in issue 33 (its recall fell as the rows "
+                            "grew, docs/scale.md): use 'cluster' (the default)")
+        changed = {k: v for k, v in settings.items() if k.startswith("lsh_")
+                   and not (old_dump_ok and k in RETIRED_LSH_DEFAULTS and v == RETIRED_LSH_DEFAULTS[k])}
+        if "lsh_seed" in changed:
+            problems.append(f"filter.lsh_seed={changed.pop('lsh_seed')!r} was retired with the LSH method (issue 33): "
+                            "set filter.near_dup_seed instead (the k-means seed, which read lsh_seed before)")
+        if changed:
+            problems.append(f"{', '.join(f'filter.{k}={v!r}' for k, v in sorted(changed.items()))}: settings of the "
+                            "LSH method, retired in issue 33: remove them (the 'cluster' method never read them; "
+                            "near_dup_cluster_size and near_dup_probes tune it)")
+        return problems
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_retired(cls, data: Any) -> Any:
+        # before field validation: an old config gets what to change, not "extra inputs are not permitted"
+        if not isinstance(data, Mapping):
+            return data
+        problems = cls.retired(data)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return {k: v for k, v in data.items() if k not in RETIRED_LSH_DEFAULTS}
+
     @model_validator(mode="after")
-    def _lsh(self) -> FilterSection:
-        if self.lsh_min_band_matches > self.lsh_bands:
-            raise ValueError(f"lsh_min_band_matches={self.lsh_min_band_matches} > lsh_bands={self.lsh_bands}")
+    def _cross_fields(self) -> FilterSection:
         names = [e.name for e in self.decontaminate]
         if len(set(names)) != len(names):
             raise ValueError(f"decontaminate: eval set names {names} must be unique (set 'name' on each)")
@@ -770,28 +808,24 @@ def load_config(
     overrides: Mapping[str, Any] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Config:
-    """Defaults < file < environment (`MFT__SECTION__FIELD`) < overrides (`{"section": {...}}` or `{"section.field": v}`)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        data = _read_file(Path(uris.to_local_path(path) if uris.scheme_of(str(path)) else path))
-    env = os.environ if env is None else env
-    for key, raw in sorted(env.items()):
-        if not key.startswith(ENV_PREFIX):
-            continue
-        parts = key[len(ENV_PREFIX) :].lower().split("__")
-        if len(parts) != 2 or not all(parts):
-            raise ConfigError(f"environment variable {key}: expected {ENV_PREFIX}<SECTION>__<FIELD>")
-        _set(data, parts, yaml.safe_load(raw) if raw != "" else None)
-    for key, value in (overrides or {}).items():
-        if isinstance(value, Mapping) and "." not in key:
-            for field, v in value.items():
-                _set(data, [key, field], v)
-        else:
-            _set(data, key.split("."), value)
+    """Defaults < file < environment (`MFT__SECTION__FIELD`, default `os.environ`) < overrides
+    (`{"section": {...}}` or `{"section.field": v}`); sections merge field by field."""
     try:
-        return Config.model_validate(data)
+        return settings_loader.load(Config, _sources(path, overrides or {}, os.environ if env is None else env),
+                                    depth=2)
+    except SettingsSourceError as e:
+        raise ConfigError(str(e)) from None
     except ValidationError as e:
         raise ConfigError(_describe(e)) from None
+
+
+def _sources(path: str | Path | None, overrides: Mapping[str, Any],
+             env: Mapping[str, str]) -> Iterator[PydanticBaseSettingsSource]:
+    """Lowest first; a generator, so each is read after those below it merged (the first error wins)."""
+    yield ValuesSource(Config, _read_file(Path(uris.to_local_path(path) if uris.scheme_of(str(path)) else path))
+                       if path is not None else {})
+    yield PrefixedEnvSource(Config, env, ENV_PREFIX, depth=2, shape="<SECTION>__<FIELD>")
+    yield ValuesSource(Config, _overrides(overrides))
 
 
 def _read_file(p: Path) -> dict[str, Any]:
@@ -806,13 +840,16 @@ def _read_file(p: Path) -> dict[str, Any]:
     return loaded
 
 
-def _set(data: dict[str, Any], parts: list[str], value: Any) -> None:
-    if len(parts) != 2:
-        raise ConfigError(f"config key {'.'.join(parts)!r}: expected <section>.<field>")
-    section = data.setdefault(parts[0], {})
-    if not isinstance(section, dict):
-        raise ConfigError(f"config section {parts[0]!r} must be a mapping")
-    section[parts[1]] = value
+def _overrides(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """`{"section": {...}}` / `{"section.field": v}` -> `{section: {field: v}}`."""
+    data: dict[str, Any] = {}
+    for key, value in overrides.items():
+        for parts, v in ([([key, f], v) for f, v in value.items()] if isinstance(value, Mapping) and "." not in key
+                         else [(key.split("."), value)]):
+            if len(parts) != 2:
+                raise ConfigError(f"config key {'.'.join(parts)!r}: expected <section>.<field>")
+            settings_loader.put(data, parts, v)
+    return data
 
 
 def _describe(err: ValidationError) -> str:

@@ -229,12 +229,3 @@ def sync_mirror(prefix_uri: str, storage: StorageSection | None = None) -> Point
             return newest
         newest = again
     raise PointerError(f"{uris.join(prefix_uri, LATEST)}: the pointer kept moving while its mirror was written")
-
-
-def read_mirror(prefix_uri: str, storage: StorageSection | None = None) -> str | None:
-    """The target named by the plain mirror (what older readers see)."""
-    store, key = open_store(prefix_uri, storage)
-    try:
-        return json.loads(store.get_bytes(f"{key.rstrip('/')}/{LATEST}"))["target"]
-    except ObjectNotFound:
-        return None

@@ -29,6 +29,20 @@ os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.envir
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need a CUDA device: without one they are skipped with the reason (never
+    deselected), so the default run still collects and reports them; `pytest -m gpu` on the device runs them."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="marker gpu: needs a CUDA device (run `pytest -m gpu` on the device)")
+        for item in gpu:
+            item.add_marker(skip)
+
+
 def free_port() -> int:
     """A port that was free a moment ago: racy (another process may take it before the caller binds).
     Only for servers that cannot bind port 0 themselves and report it; prefer binding port 0."""

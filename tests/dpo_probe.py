@@ -28,6 +28,7 @@ def main(data_dir: str, model_dir: str, stages: int, out: str, options: str) -> 
     import torch.distributed as dist
 
     from pipeline_core.config import load_config
+    from tests.training_helpers import load_model_config
     from training import dpo_train
     from training.data import ShardSet, columns_for, split_files
     from training.dpo_data import PairMicroBatches
@@ -35,7 +36,7 @@ def main(data_dir: str, model_dir: str, stages: int, out: str, options: str) -> 
     from training.loss import StepBatches
     from training.model import build_pipeline_module, pipe_layers, prepare_hf_config
     from training.runtime import resolve_settings
-    from training.weights import load_model_config, load_stage_weights
+    from training.weights import load_stage_weights
 
     opts = json.loads(options)
     deepspeed.init_distributed(dist_backend="gloo")

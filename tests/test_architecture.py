@@ -1,6 +1,7 @@
 """The layout's promises, checked on the source: dependencies point one way between the top-level
 packages, no module imports itself back through others (function-local imports count: a lazy import
-only hides a cycle), and nothing outside tests/ imports tests/. Imports under `if TYPE_CHECKING:`
+only hides a cycle), nothing outside tests/ imports tests/, and no product package imports samples/
+(the sample generators and crafted fixtures: dev and demo tooling, not installed). Imports under `if TYPE_CHECKING:`
 are annotations, not dependencies, and do not count."""
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("pipeline_core", "spark_jobs", "training", "reports", "plugins", "dags", "bench", "tests")
+PACKAGES = ("pipeline_core", "spark_jobs", "training", "reports", "plugins", "dags", "samples", "bench", "tests")
+PRODUCT = ("pipeline_core", "spark_jobs", "training", "reports", "plugins", "dags")
 
 # which top-level packages each may import (itself always): the runtime layers point down to
-# pipeline_core; bench and tests sit on top; nothing but tests imports tests.
+# pipeline_core; samples (generators, fixtures) builds on pipeline_core only; bench and tests sit on
+# top; nothing but tests imports tests, no product package imports samples.
 ALLOWED = {
     "pipeline_core": set(),
     "spark_jobs": {"pipeline_core"},
@@ -21,7 +24,8 @@ ALLOWED = {
     "reports": {"pipeline_core", "spark_jobs"},
     "plugins": {"pipeline_core", "spark_jobs", "training", "reports"},
     "dags": {"pipeline_core", "plugins"},
-    "bench": {"pipeline_core", "spark_jobs", "training", "reports", "plugins"},
+    "samples": {"pipeline_core"},
+    "bench": {"pipeline_core", "spark_jobs", "training", "reports", "plugins", "samples"},
     "tests": set(PACKAGES),
 }
 
@@ -131,3 +135,19 @@ def test_dependencies_point_one_way_between_packages():
             if target.split(".")[0] not in ALLOWED[top] | {top}:
                 wrong[module].add(target)
     assert dict(wrong) == {}
+
+
+def test_the_layer_table_keeps_tests_and_samples_out_of_the_product_and_bench_off_tests():
+    """The rules above that the layer test enforces, stated so that a widened table fails here."""
+    assert all("samples" not in ALLOWED[p] and "tests" not in ALLOWED[p] for p in PRODUCT)
+    assert "tests" not in ALLOWED["bench"] and "tests" not in ALLOWED["samples"]
+    assert set(ALLOWED) == set(PACKAGES) and set(PRODUCT) < set(PACKAGES)
+
+
+def test_a_bench_module_importing_tests_is_found(tmp_path):
+    """The import scan sees a function-local `from tests...` in a bench module (as the guard benchmark had)."""
+    bench = tmp_path / "bench" / "b.py"
+    bench.parent.mkdir()
+    bench.write_text("def f():\n    from tests.filter_helpers import KEEP\n    return KEEP\n")
+    known = {"bench.b": bench, "tests.filter_helpers": tmp_path / "tests" / "filter_helpers.py"}
+    assert _imports("bench.b", bench, known) == {"tests.filter_helpers"}

@@ -197,8 +197,8 @@ def test_relevant_prompt_context_keeps_question_relevant_units_in_order_inside_t
     whole), still in the system turn."""
     import numpy as np
 
+    from samples.enriched import embed
     from spark_jobs.filter.render_docs import reduce_context
-    from tests.filter_helpers import embed
 
     filler = [f"The {w} festival in the old town attracts many visitors every summer." for w in
               ("music", "film", "food", "wine", "jazz", "book", "flower", "lantern", "kite", "boat", "cheese",

@@ -60,7 +60,8 @@ def test_resume_ignores_execution_settings_and_only_those():
 
 def test_trigger_allowlist_is_derived_and_covers_the_default_methods_knobs():
     assert OVERRIDABLE == cfgmod.trigger_overridable()
-    assert {"filter.near_dup_cluster_size", "filter.near_dup_probes", "filter.train_on", "filter.prompt_context",
+    assert {"filter.near_dup_cluster_size", "filter.near_dup_probes", "filter.near_dup_seed", "filter.train_on",
+            "filter.prompt_context",
             "train.eval_every"} <= OVERRIDABLE
     # what redirects I/O, credentials or code stays deployment configuration
     assert {"pipeline.store_uri", "pipeline.staging_uri", "storage.endpoint_url", "enrich.spark_conf",

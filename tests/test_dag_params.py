@@ -130,6 +130,11 @@ def test_v1_and_v2_split_names_are_accepted_by_the_form(dag, roots):
     ({"stages": ["train"]}, "stages"),                  # train alone needs a committed train-ready artifact
     ({"launcher": "docker"}, "unknown param"),          # the launcher is deployment configuration
     ({"config_overrides": {"train.global_batch_size": 6}}, "train.global_batch_size"),  # 6 % (1 x 4 ranks)
+    # the retired LSH method: what to change, not "a deployment setting" (lsh_seed 0 too: a trigger never needs it)
+    ({"config_overrides": {"filter.near_dup_method": "lsh"}}, "filter.near_dup_method 'lsh' was retired"),
+    ({"config_overrides": {"filter.lsh_seed": 0}}, "filter.lsh_seed=0 was retired"),
+    ({"config_overrides": {"filter.lsh_seed": 3}}, "set filter.near_dup_seed instead"),
+    ({"config_overrides": {"filter.lsh_bands": 48}}, "filter.lsh_bands=48: settings of the LSH method"),
 ])
 def test_invalid_conf_fails_the_first_task_naming_the_field(dag, roots, conf, message, tmp_path):
     params = {**form(dag, {}), **conf}

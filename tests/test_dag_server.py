@@ -126,7 +126,7 @@ def postgres():
 def stack(tmp_path_factory, postgres):
     root = tmp_path_factory.mktemp("airflow_stack")
     src = root / "source"
-    subprocess.run([str(BIN / "python"), "-m", "pipeline_core.sample_data", "--output", str(src), "--rows", "40",
+    subprocess.run([str(BIN / "python"), "-m", "samples.nemotron_v1", "--output", str(src), "--rows", "40",
                     "--seed", "1"], check=True, cwd=REPO, capture_output=True, timeout=120)
     base = root / "base.yaml"
     base.write_text(json.dumps({

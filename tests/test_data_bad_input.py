@@ -18,12 +18,14 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from pipeline_core import sample_data, uris
+from pipeline_core import uris
 from pipeline_core.artifacts import CorruptArtifact, read_manifest
 from pipeline_core.config import load_config
+from samples import nemotron_v1
+from samples.enriched import enriched_table, publish_enriched
 from spark_jobs.common import StageFailed
 from spark_jobs.enrich import job as enrich
-from tests.filter_helpers import FILTER_SETTINGS, KEEP, enriched_table, publish_enriched
+from tests.filter_helpers import FILTER_SETTINGS, KEEP
 
 DEEP = 100_000  # nesting levels: far past Python's recursion limit (json.loads raises RecursionError)
 
@@ -39,7 +41,7 @@ def enrich_cfg(tmp: Path, max_reject_ratio: float = 0.5, **enrich_overrides):
 
 def good_records(n: int) -> list[dict]:
     """Generated chat records the normaliser keeps (none of the sample's crafted rejects)."""
-    recs = [r for r in sample_data.generate(60, 11)["chat"]
+    recs = [r for r in nemotron_v1.generate(60, 11)["chat"]
             if not json.loads(r["metadata"])["sample"]["expected"].get("reject_reason")]
     assert len(recs) >= n
     return recs[:n]

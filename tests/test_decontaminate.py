@@ -16,8 +16,9 @@ import pytest
 from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact
 from pipeline_core.config import ConfigError, load_config
+from samples.enriched import Rec, enriched_table, publish_enriched
 from spark_jobs.filter import decontaminate as dc
-from tests.filter_helpers import FILTER_SETTINGS, KEEP, Rec, enriched_table, publish_enriched
+from tests.filter_helpers import FILTER_SETTINGS, KEEP
 
 EVAL_DOCS = [
     {"id": "q-moon", "question": "How long does it take for light reflected from the Moon's surface to reach "

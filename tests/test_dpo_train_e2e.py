@@ -32,13 +32,13 @@ pytestmark = pytest.mark.slow
 
 
 def dpo_train_ready(store: str, local: Path) -> str:
-    """The bundled preference sample's pairs (pipeline_core.sample_preferences), rendered and packed
+    """The bundled preference sample's pairs (samples.preferences), rendered and packed
     by the filter's code (render_docs.render_pair, preference.pair_row); every 6th pair to val."""
     from types import SimpleNamespace
 
     from pipeline_core.config import FilterSection
     from pipeline_core.handoffs import TrainReadyInfo
-    from pipeline_core.sample_preferences import _pairs
+    from samples.preferences import _pairs
     from spark_jobs.conversations.chat_format import load_tokenizer
     from spark_jobs.filter.filter_rows import conversation_options
     from spark_jobs.filter.render_docs import render_pair

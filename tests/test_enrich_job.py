@@ -15,9 +15,10 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline_core import sample_data, uris
+from pipeline_core import uris
 from pipeline_core.artifacts import ArtifactConflict, read_manifest, verify_artifact
 from pipeline_core.config import load_config
+from samples import nemotron_v1
 from spark_jobs.common import parse_stage_args
 from spark_jobs.enrich import job as enrich
 
@@ -52,7 +53,7 @@ def sample_run(spark, tmp_path_factory):
         # payload under the prefix the manifest names (one writer per artifact)
         "data": ds.dataset(root / manifest.object_path("data"), format="parquet").to_table(),
         "rejects": ds.dataset(root / manifest.object_path("rejects"), format="parquet").to_table(),
-        "records": [r for rs in sample_data.generate(300, 0).values() for r in rs],
+        "records": [r for rs in nemotron_v1.generate(300, 0).values() for r in rs],
     }
 
 
@@ -62,7 +63,7 @@ def test_artifact_follows_the_contract(sample_run):
         assert data.schema.field(name).type == typ, name
     # v1's message type + the SFT collection's reasoning_content (issue 28)
     msg = data.schema.field("messages").type.value_type
-    v1 = sample_data.arrow_schema().field("messages").type.value_type
+    v1 = nemotron_v1.arrow_schema().field("messages").type.value_type
     assert [msg.field(i).name for i in range(msg.num_fields)] == ["role", "content", "reasoning_content", "tool_calls"]
     assert all(msg.field(v1.field(i).name).type == v1.field(i).type for i in range(v1.num_fields))
     assert m.kind == "enriched" and m.extra["embedding_dim"] == 384
@@ -93,7 +94,7 @@ def test_every_record_is_accounted_for_with_its_reason(sample_run):
     assert got == expected
     # per split (the file's `<split>-*` name), as the manifest publishes them
     per_split: dict = {}
-    for split, recs in sample_data.generate(300, 0).items():
+    for split, recs in nemotron_v1.generate(300, 0).items():
         c = per_split.setdefault(split, {"in": 0, "out": 0, "rejected": {}})
         for r in recs:
             c["in"] += 1
@@ -169,7 +170,7 @@ def test_bare_paths_are_refused(tmp_path):
 
 def _v2_dir(root: Path) -> Path:
     """Nemotron v2-style Parquet (no tool_calls, no metadata) under names the job has never seen."""
-    recs = sample_data.generate(60, 7)
+    recs = nemotron_v1.generate(60, 7)
     rows = []
     for r in recs["chat"] + recs["math"]:
         msgs = None if r["messages"] is None else [{"role": x["role"], "content": x["content"]} for x in r["messages"]]
@@ -213,9 +214,9 @@ def test_unseen_v2_parquet_from_s3_published_to_s3(spark, s3_server, s3_bucket_u
 
 
 def test_spark_submit_on_json_lines_with_broken_lines(tmp_path):
-    recs = sample_data.generate(40, 5)["tool"][:12]
+    recs = nemotron_v1.generate(40, 5)["tool"][:12]
     src = tmp_path / "jsonl"
-    sample_data.write_jsonl(recs, src / "data" / "tool-00000-of-00001.jsonl")
+    nemotron_v1.write_jsonl(recs, src / "data" / "tool-00000-of-00001.jsonl")
     cfg = _cfg(tmp_path, input_format="jsonl", splits=["tool"])
     cfg_file = cfg.dump(tmp_path / "config.yaml")
     out = uris.qualify(tmp_path / "store" / "enriched")
@@ -233,7 +234,7 @@ def test_spark_submit_on_json_lines_with_broken_lines(tmp_path):
     assert m is not None and m.extra["source"]["format"] == "jsonl"
     rejected = m.counts["rejected"]
     assert rejected.get("unparseable_json") == 2 and rejected.get("not_an_object") == 1
-    assert m.counts["in"] == len(recs) + sample_data.BROKEN_JSONL_LINES == m.counts["out"] + sum(rejected.values())
+    assert m.counts["in"] == len(recs) + nemotron_v1.BROKEN_JSONL_LINES == m.counts["out"] + sum(rejected.values())
 
 
 def test_each_record_knows_its_split_across_files_and_arrow_batches(spark, tmp_path):

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pipeline_core import sample_data
 from pipeline_core.config import EnrichSection
+from samples import nemotron_v1
 from spark_jobs.conversations.normalize import Rejected, normalise, split_reasoning
 from spark_jobs.conversations.sentences import split_sentences
 from spark_jobs.enrich.job import normalise_raw
@@ -24,7 +24,7 @@ def call(name, args):
 
 
 def _crafted():
-    for rs in sample_data.generate(300, 0).values():
+    for rs in nemotron_v1.generate(300, 0).values():
         for r in rs:
             s = json.loads(r["metadata"])["sample"]
             if s["kind"] != "filler":

@@ -102,8 +102,9 @@ def _hf_tokenizer_dir(path: Path, chat_template: str) -> str:
 
 
 def test_filter_refuses_a_chat_template_whose_prompt_is_not_a_prefix(tmp_path):
+    from samples.enriched import publish_enriched
     from spark_jobs.filter import job as similarity_filter
-    from tests.filter_helpers import FILTER_SETTINGS, crafted_table, publish_enriched
+    from tests.filter_helpers import FILTER_SETTINGS, crafted_table
 
     store = uris.qualify(tmp_path / "store")
     enriched = uris.join(store, "datasets", "v1", "enriched", "x")

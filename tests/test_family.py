@@ -13,10 +13,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline_core import sample_family as sf
 from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact
 from pipeline_core.config import load_config
+from samples import family as sf
 from spark_jobs.conversations import family
 from spark_jobs.conversations.chat_format import load_tokenizer
 from spark_jobs.conversations.conversation import (

@@ -17,10 +17,10 @@ from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact
 from pipeline_core.config import load_config
 from pipeline_core.handoffs import IGNORE_INDEX, TrainReadyInfo
+from samples.enriched import Rec, enriched_table, publish_enriched
 from spark_jobs.conversations.chat_format import load_tokenizer
 from spark_jobs.conversations.conversation import ConversationOptions, build_conversation
 from spark_jobs.packing import split_documents
-from tests.filter_helpers import Rec, enriched_table, publish_enriched
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "sample_data" / "nemotron_v1"

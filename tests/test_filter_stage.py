@@ -15,6 +15,7 @@ from pipeline_core import uris
 from pipeline_core.artifacts import ArtifactConflict, fetch_artifact
 from pipeline_core.config import ConfigError, FilterSection, load_config
 from pipeline_core.handoffs import IGNORE_INDEX
+from samples.enriched import publish_enriched
 from spark_jobs.conversations.chat_format import load_tokenizer
 from spark_jobs.conversations.conversation import (
     ConversationOptions,
@@ -24,15 +25,7 @@ from spark_jobs.conversations.conversation import (
 )
 from spark_jobs.filter.split import split_column, split_of
 from spark_jobs.packing import split_documents
-from tests.filter_helpers import (
-    EXACT,
-    FILTER_SETTINGS,
-    KEEP,
-    NEAR,
-    REJECT,
-    crafted_table,
-    publish_enriched,
-)
+from tests.filter_helpers import EXACT, FILTER_SETTINGS, KEEP, NEAR, REJECT, crafted_table
 
 
 def make_cfg(root: Path, **filter_overrides):
@@ -271,17 +264,17 @@ def test_split_is_stable_across_partitionings_and_matches_python(spark):
 def test_near_duplicate_detection_is_independent_of_partitioning(filtered, spark):
     from pyspark.sql import functions as F
 
-    from spark_jobs.near_dups.dedup import find_near_duplicates
+    from spark_jobs.near_dups.dedup import near_duplicates, settings_for
 
     df = spark.read.parquet(str(filtered.root / "enriched" / "data")).filter(F.col("question_embedding").isNotNull())
     df = df.withColumn("_key", F.xxhash64("id")).withColumn("_vec", F.concat("question_embedding", "answer_embedding"))
     results = []
     for n in (1, 3):
-        f = FilterSection()
-        got = find_near_duplicates(df.repartition(n), key="_key", vec="_vec", threshold=0.9, bands=f.lsh_bands,
-                                   rows_per_band=f.lsh_rows_per_band, max_leaders=f.lsh_max_leaders, seed=0,
-                                   min_band_matches=f.lsh_min_band_matches).collect()
-        results.append(sorted((r["_key"], r["_near_rep"]) for r in got))
+        parts = df.repartition(n).persist()
+        got = near_duplicates(parts, key="_key", vec="_vec", settings=settings_for(FilterSection()))
+        results.append(sorted((r["_key"], r["_near_rep"]) for r in got.frame.collect()))
+        got.frame.unpersist()
+        parts.unpersist()
     assert results[0] == results[1]
     assert len(results[0]) == len(NEAR) + 1  # 3 paraphrase pairs + the exact duplicate (not removed here)
 

@@ -15,7 +15,8 @@ from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact, read_manifest
 from pipeline_core.config import load_config
 from pipeline_core.handoffs import TrainReadyInfo
-from tests.filter_helpers import FILTER_SETTINGS, KEEP, NEAR, crafted_table, publish_enriched
+from samples.enriched import publish_enriched
+from tests.filter_helpers import FILTER_SETTINGS, KEEP, NEAR, crafted_table
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,8 +18,9 @@ from bench.neardup_corpus import corpus
 from pipeline_core import uris
 from pipeline_core.artifacts import fetch_artifact
 from pipeline_core.config import ConfigError, load_config
+from samples.enriched import Rec, embed, enriched_table, publish_enriched
 from spark_jobs.near_dups.near_dup_guard import guard_features, guard_key, normalise_number
-from tests.filter_helpers import FILTER_SETTINGS, Rec, embed, enriched_table, publish_enriched
+from tests.filter_helpers import FILTER_SETTINGS
 
 THRESHOLD = 0.9
 
@@ -185,8 +186,7 @@ def _unit(v):
     return v / np.linalg.norm(v)
 
 
-@pytest.mark.parametrize("method", ["cluster", "lsh"])
-def test_chain_keeps_both_ends(spark, method):
+def test_chain_keeps_both_ends(spark):
     """A~B (0.95), B~C (0.95), A !~ C (0.805): keep-first keeps A and C and drops B for A. The old
     rule dropped B and C (C named B, which was itself dropped)."""
     from spark_jobs.near_dups.dedup import near_duplicates
@@ -198,7 +198,7 @@ def test_chain_keeps_both_ends(spark, method):
     half = [_unit(e[0]), _unit(np.cos(t) * e[0] + np.sin(t) * e[1]), _unit(np.cos(2 * t) * e[0] + np.sin(2 * t) * e[1])]
     vecs = [np.concatenate([h, h]) for h in half] + [np.concatenate([_unit(e[2]), _unit(e[2])])]
     df = _frame(spark, [1, 2, 3, 4], vecs)
-    s = NearDupSettings(threshold=0.9, method=method, recall_sample=10, cluster=ClusterSettings(cluster_size=16))
+    s = NearDupSettings(threshold=0.9, method="cluster", recall_sample=10, cluster=ClusterSettings(cluster_size=16))
     got = near_duplicates(df, key="_key", vec="_vec", settings=s, rows=4)
     found = {r["_key"]: (r["_near_rep"], round(r["_near_sim"], 3)) for r in got.frame.collect()}
     assert found == {2: ("r1", 0.95)}

@@ -97,3 +97,31 @@ def test_a_spark_module_leaves_no_settings_behind(tmp_path):
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "2 passed" in out.stdout, out.stdout[-2000:]
+
+
+# The `gpu` marker: registered (the run uses --strict-markers), and without a CUDA device its tests are
+# skipped with the reason, not failed and not deselected; `-m gpu` selects only them.
+def test_gpu_tests_skip_cleanly_without_a_cuda_device(tmp_path):
+    probe = tmp_path / "test_gpu_probe.py"
+    probe.write_text(textwrap.dedent('''
+        import pytest
+
+
+        @pytest.mark.gpu
+        def test_on_the_device():
+            raise AssertionError("ran without a CUDA device")
+
+
+        def test_anywhere():
+            pass
+    '''))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}, "CUDA_VISIBLE_DEVICES": ""}
+    runs = {}
+    for select in ((), ("-m", "gpu")):
+        out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-c", str(REPO / "pyproject.toml"),
+                              "-p", "tests.conftest", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                              *select, str(probe)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+        runs[select] = out.stdout
+    assert "1 passed, 1 skipped" in runs[()] and "marker gpu: needs a CUDA device" in runs[()], runs[()][-2000:]
+    assert "1 skipped, 1 deselected" in runs[("-m", "gpu")], runs[("-m", "gpu")][-2000:]

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.training_helpers import make_tiny_model
+from tests.training_helpers import causal_lm_loss, load_model_config, make_tiny_model
 from training.flops import ModelShape
 from training.memory import GIB, TrainShape, choose_recompute, estimate_stages, layer_elements
-from training.model import causal_lm_loss, layer_recompute, layer_specs, prepare_hf_config, shift_targets
-from training.weights import load_model_config, load_stage_weights
+from training.model import layer_recompute, layer_specs, prepare_hf_config, shift_targets
+from training.weights import load_stage_weights
 
 WINDOW = 64
 

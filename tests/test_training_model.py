@@ -9,16 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.training_helpers import make_tiny_model
+from tests.training_helpers import causal_lm_loss, load_model_config, make_tiny_model
 from training.model import (
     IGNORE_INDEX,
-    causal_lm_loss,
     dense_document_mask,
     layer_specs,
     prepare_hf_config,
     shift_targets,
 )
-from training.weights import load_model_config, load_stage_weights
+from training.weights import load_stage_weights
 
 
 @pytest.fixture(scope="module")

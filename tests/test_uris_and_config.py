@@ -115,3 +115,44 @@ def test_execution_settings_do_not_move_artifacts():
     c = load_config(env={}, overrides={"enrich.top_k": 2})
     assert layout.enriched_id(a) != layout.enriched_id(c)
     assert layout.train_ready_id(a) != layout.train_ready_id(c), "a new enriched input means new train-ready data"
+
+
+OLD_LSH_DEFAULTS = {"lsh_bands": 48, "lsh_min_band_matches": 2, "lsh_rows_per_band": 16, "lsh_max_leaders": 32,
+                    "lsh_seed": 0}
+
+
+@pytest.mark.parametrize("settings, expect", [
+    ({"near_dup_method": "lsh"}, r"filter.near_dup_method 'lsh' was retired in issue 33 .*use 'cluster' \(the default\)"),
+    ({"lsh_seed": 7}, r"filter.lsh_seed=7 was retired .*set filter.near_dup_seed instead"),
+    ({"lsh_bands": 64, "lsh_max_leaders": 8}, r"filter.lsh_bands=64, filter.lsh_max_leaders=8: settings of the LSH "
+                                              r"method, retired in issue 33: remove them"),
+])
+@pytest.mark.parametrize("source", ["file", "env", "override"])
+def test_the_retired_lsh_method_is_refused_saying_what_to_change(tmp_path, settings, expect, source):
+    import yaml
+
+    path, env, overrides = None, {}, None
+    if source == "file":
+        path = tmp_path / "old.yaml"
+        path.write_text(yaml.safe_dump({"filter": settings}))
+    elif source == "env":
+        env = {f"MFT__FILTER__{k.upper()}": str(v) for k, v in settings.items()}
+    else:
+        overrides = {f"filter.{k}": v for k, v in settings.items()}
+    with pytest.raises(ConfigError, match=expect) as e:
+        load_config(path, overrides=overrides, env=env)
+    assert "Extra inputs" not in str(e.value)
+
+
+def test_a_config_dumped_before_the_lsh_retirement_still_loads(tmp_path):
+    """Every config the old code dumped (each in-flight run's resolved file) holds the LSH settings at
+    their defaults: they changed nothing under 'cluster', so the file loads as today's defaults and a
+    run resumes across the upgrade; near_dup_seed, added since, reads as its default."""
+    import yaml
+
+    old = load_config(env={}).model_dump(mode="json")
+    del old["filter"]["near_dup_seed"]
+    old["filter"].update(OLD_LSH_DEFAULTS)
+    path = tmp_path / "resolved.yaml"
+    path.write_text(yaml.safe_dump(old))
+    assert load_config(path, env={}) == load_config(env={})

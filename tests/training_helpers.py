@@ -120,3 +120,24 @@ def sample_train_ready(root_uri: str, local_dir: Path, *, seq_len: int, storage=
                       sample=sample, storage=storage, split_rule=f"every {val_every}th kept record to val",
                       **_options(tok))
     return uri
+
+
+def causal_lm_loss(logits, targets):
+    """Mean cross-entropy over one micro-batch's targets: the reference the model and GPU checks compare
+    with (the trainer's step loss is training.loss.TokenMeanLoss). A micro-batch without any target gives
+    0, not NaN."""
+    from pipeline_core.handoffs import IGNORE_INDEX
+    from training.model import causal_lm_loss_sum
+
+    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
+    return causal_lm_loss_sum(logits, targets) / count
+
+
+def load_model_config(model_dir: Path):
+    """The MistralConfig of a saved model directory (the tests' tiny models)."""
+    from transformers import AutoConfig, MistralConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if not isinstance(config, MistralConfig):
+        raise ValueError(f"{model_dir} is a {type(config).__name__}, expected a MistralConfig")
+    return config

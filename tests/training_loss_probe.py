@@ -60,10 +60,11 @@ def main(rows_path: str, model_dir: str, stages: int, precision: str, out: str, 
     import deepspeed
     import torch.distributed as dist
 
+    from tests.training_helpers import load_model_config
     from training.engine import build_engine
     from training.loss import StepBatches
     from training.model import build_pipeline_module, pipe_layers, prepare_hf_config
-    from training.weights import load_model_config, load_stage_weights
+    from training.weights import load_stage_weights
 
     deepspeed.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()

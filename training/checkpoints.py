@@ -61,6 +61,7 @@ from pipeline_core.artifacts import (
     write_latest,
 )
 from pipeline_core.config import TrainSection
+from pipeline_core.settings_loader import ProcessSettings, load_process_settings
 from pipeline_core.store import open_store
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,8 @@ KIND = "checkpoint"
 TAG = "data"  # DeepSpeed tag == the artifact's payload directory
 PENDING = ".pending.json"  # beside a saved, not yet committed checkpoint (dot: never uploaded)
 QUARANTINE = "quarantine"
-HMAC_KEY_ENV = "MFT_CHECKPOINT_HMAC_KEY"
-HMAC_KEY_FILE_ENV = "MFT_CHECKPOINT_HMAC_KEY_FILE"
+HMAC_KEY_ENV = ProcessSettings.env_name("checkpoint_hmac_key")  # MFT_CHECKPOINT_HMAC_KEY
+HMAC_KEY_FILE_ENV = ProcessSettings.env_name("checkpoint_hmac_key_file")  # MFT_CHECKPOINT_HMAC_KEY_FILE
 _STEP_RE = re.compile(r"^step-(\d+)$")
 
 
@@ -169,12 +170,13 @@ def hmac_key(staging_root: str) -> bytes:
     """The checkpoint signing key, kept outside the store: MFT_CHECKPOINT_HMAC_KEY, else the file
     MFT_CHECKPOINT_HMAC_KEY_FILE, else `<pipeline.staging_uri>/.keys/checkpoint-hmac.key` (created
     on first use, mode 0600; the staging file system is shared by a run's attempts)."""
-    if os.environ.get(HMAC_KEY_ENV):
-        return os.environ[HMAC_KEY_ENV].encode()
-    path = Path(os.environ.get(HMAC_KEY_FILE_ENV) or uris.to_local_path(uris.join(staging_root, ".keys",
-                                                                                  "checkpoint-hmac.key")))
+    process = load_process_settings()
+    if process.checkpoint_hmac_key is not None:
+        return process.checkpoint_hmac_key.get_secret_value().encode()
+    path = Path(process.checkpoint_hmac_key_file or uris.to_local_path(uris.join(staging_root, ".keys",
+                                                                                 "checkpoint-hmac.key")))
     if not path.is_file():
-        if os.environ.get(HMAC_KEY_FILE_ENV):
+        if process.checkpoint_hmac_key_file:
             raise CheckpointError(f"{HMAC_KEY_FILE_ENV}={path}: no such file")
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:

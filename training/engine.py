@@ -153,10 +153,6 @@ class EngineSpec:
     ds_config: dict[str, Any]
     converters: list[ModelConverter]
 
-    @property
-    def converter_names(self) -> list[str]:
-        return [c.name for c in self.converters]
-
 
 def engine_spec(t: TrainSection, dp: int, settings: Settings) -> EngineSpec:
     """The one derivation of both from ``train`` (train.py's plan and the test probes use it)."""

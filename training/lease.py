@@ -39,6 +39,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 from pipeline_core import uris
+from pipeline_core.settings_loader import load_process_settings
 from pipeline_core.store import ObjectNotFound, PreconditionFailed, open_store
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def attempt_id() -> str:
     count is appended, so a restart of the workers is an attempt of its own too. The ranks of one
     launch use rank 0's (training/train.py broadcasts it): a replaced node's agent counts its
     restarts from 0."""
-    raw = os.environ.get("MFT_ATTEMPT_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    raw = load_process_settings().attempt_id or os.environ.get("TORCHELASTIC_RUN_ID")
     if raw and os.environ.get("TORCHELASTIC_RUN_ID"):
         raw = f"{raw}-r{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     if not raw:

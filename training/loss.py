@@ -24,10 +24,6 @@ from pipeline_core.handoffs import IGNORE_INDEX
 SumLoss = Callable[[object, torch.Tensor], torch.Tensor]  # (stage outputs, targets) -> Σ CE
 
 
-def count_targets(targets: torch.Tensor) -> int:
-    return int((targets != IGNORE_INDEX).sum())
-
-
 class TokenMeanLoss:
     """``loss_fn`` of the PipelineModule. ``sum_fn`` computes the summed cross-entropy of one
     micro-batch (swappable: the fused Liger loss replaces it, same contract)."""

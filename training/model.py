@@ -122,12 +122,6 @@ def causal_lm_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     )
 
 
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over one micro-batch's targets (a reference for checks; the trainer's
-    step loss is ``loss.TokenMeanLoss``). A micro-batch without any target gives 0, not NaN."""
-    count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-    return causal_lm_loss_sum(logits, targets) / count
-
 
 # ----------------------------------------------------------------------------- attention context
 @dataclass

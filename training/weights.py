@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, MistralConfig
+from transformers import MistralConfig
 
 from pipeline_core.handoffs import TokenizerSpec
 from training.export_tokenizer import export_tokenizer
@@ -43,12 +43,6 @@ def resolve_model_dir(name_or_path: str) -> Path:
 
     return Path(snapshot_download(name_or_path, allow_patterns=_DOWNLOAD_PATTERNS))
 
-
-def load_model_config(model_dir: Path) -> MistralConfig:
-    config = AutoConfig.from_pretrained(str(model_dir))
-    if not isinstance(config, MistralConfig):
-        raise ValueError(f"train.base_model: {model_dir} is a {type(config).__name__}, expected a MistralConfig")
-    return config
 
 
 def weight_map(model_dir: Path) -> dict[str, str]:

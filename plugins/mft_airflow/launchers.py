@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline_core import uris
+from pipeline_core.settings_loader import ProcessSettings
 from plugins.mft_airflow.run_plan import RunPlan
 from plugins.mft_airflow.settings import DeploySettings
 from training import launch
@@ -42,7 +43,7 @@ ENV_ALLOWLIST = ("PATH", "HOME", "USER", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTH
                  "SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "AWS_CA_BUNDLE", "AWS_DEFAULT_REGION", "AWS_REGION",
                  "LD_LIBRARY_PATH",
                  # checkpoint signing key (training/checkpoints.py) and the attempt id: resume needs them
-                 "MFT_CHECKPOINT_HMAC_KEY", "MFT_CHECKPOINT_HMAC_KEY_FILE", "MFT_ATTEMPT_ID")
+                 *map(ProcessSettings.env_name, ("checkpoint_hmac_key", "checkpoint_hmac_key_file", "attempt_id")))
 ENV_ALLOWED_PREFIXES = ("HF_", "TRANSFORMERS_", "TORCH_", "CUDA_", "NCCL_", "NVIDIA_", "DS_", "LC_", "GLOO_",
                         "PYTORCH_", "NVSHMEM_")  # allocator settings; NVLink-multicast-off switches
 CONTAINER_CREDENTIALS = "/run/secrets/aws_credentials"
@@ -82,7 +83,7 @@ def attempt_env(context: Any) -> dict[str, str]:
     try of a multi-node run had the rendezvous id `<run_id>-r0`."""
     ti = context["ti"]
     run_id = getattr(ti, "run_id", None) or context.get("run_id") or "run"
-    return {"MFT_ATTEMPT_ID": f"{run_id}-try{ti.try_number}"}
+    return {ProcessSettings.env_name("attempt_id"): f"{run_id}-try{ti.try_number}"}
 
 
 def store_credentials(cfg: Config) -> dict[str, str]:

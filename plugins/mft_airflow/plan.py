@@ -19,7 +19,7 @@ from typing import Any
 
 from pipeline_core import layout, uris
 from pipeline_core.artifacts import read_manifest
-from pipeline_core.config import Config, ConfigError, load_config
+from pipeline_core.config import Config, ConfigError, FilterSection, load_config
 from pipeline_core.names import Stage
 from plugins.mft_airflow.params import OVERRIDABLE, STAGES, param_specs, to_overrides
 from plugins.mft_airflow.run_plan import RunPlan, resource_name
@@ -54,6 +54,11 @@ def check_trigger_policy(params: dict[str, Any]) -> None:
     overrides = params.get("config_overrides") or {}
     if not isinstance(overrides, dict):
         raise PlanError("config_overrides: expected an object {'section.field': value}")
+    # settings of a retired method: say what replaced them rather than "cannot be set by a trigger"
+    retired = FilterSection.retired({k.removeprefix("filter."): v for k, v in overrides.items()
+                                     if k.startswith("filter.")}, old_dump_ok=False)
+    if retired:
+        raise PlanError("config_overrides: " + "; ".join(retired))
     refused = sorted(k for k in overrides if k not in OVERRIDABLE)
     if refused:
         raise PlanError(

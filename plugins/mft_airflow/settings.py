@@ -3,7 +3,8 @@
 What a stage computes lives in `pipeline_core.config` (one typed config, Params map onto it).
 How it is launched (Spark connection and resources, image, GPUs, namespace, timeouts, schedule)
 is a property of the deployment, read from environment variables `MFT_DEPLOY__<FIELD>` (values
-parsed as YAML). Reading the environment is cheap, so the DAG file can do it at parse time.
+parsed as YAML; `pipeline_core.settings_loader`, the loader `load_config` uses too). Reading the
+environment is cheap, so the DAG file can do it at parse time.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline_core import uris
+from pipeline_core import settings_loader, uris
 from pipeline_core.config import LOSSY_SPARK_SETTINGS, PROJECT_ROOT
+from pipeline_core.settings_loader import PrefixedEnvSource, ValuesSource, yaml_value
 
 ENV_PREFIX = "MFT_DEPLOY__"
 Launcher = Literal["local", "docker", "kubernetes"]
@@ -181,23 +183,23 @@ class DeploySettings(BaseModel):
         return self.nnodes * self.procs_per_node()
 
 
-def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> DeploySettings:
-    """Settings from `MFT_DEPLOY__*` environment variables, then keyword overrides."""
-    env = os.environ if env is None else env
-    data: dict[str, Any] = {}
-    for key, raw in env.items():
-        if key.startswith(ENV_PREFIX):
-            try:
-                value = yaml.safe_load(raw) if raw != "" else None
-            except yaml.YAMLError:  # e.g. "@daily": a plain string
-                value = raw
-            # YAML turns 2026-01-01 into a date; every date-like setting is a string here
-            data[key[len(ENV_PREFIX):].lower()] = raw if isinstance(value, (date, datetime)) else value
-    if env.get("MFT_CONFIG"):
-        data.setdefault("config_file", env["MFT_CONFIG"])
-    data.update(overrides)
+def _yaml_or_text(raw: str) -> Any:
+    """A deployment value as YAML, else its text (`@daily`); a date-like value stays text (2026-01-01)."""
     try:
-        return DeploySettings.model_validate(data)
+        value = yaml_value(raw)
+    except yaml.YAMLError:
+        return raw
+    return raw if isinstance(value, (date, datetime)) else value
+
+
+def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> DeploySettings:
+    """Settings from `env` (default `os.environ`): `MFT_CONFIG` < `MFT_DEPLOY__*` < keyword overrides."""
+    env = os.environ if env is None else env
+    sources = [ValuesSource(DeploySettings, {"config_file": env["MFT_CONFIG"]} if env.get("MFT_CONFIG") else {}),
+               PrefixedEnvSource(DeploySettings, env, ENV_PREFIX, parse=_yaml_or_text),
+               ValuesSource(DeploySettings, overrides)]
+    try:
+        return settings_loader.load(DeploySettings, sources)
     except ValidationError as e:
         fields = "; ".join(f"{ENV_PREFIX}{'.'.join(map(str, x['loc'])).upper()}: {x['msg']}" for x in e.errors())
         raise ValueError(f"invalid deployment settings: {fields}") from None

@@ -6,7 +6,7 @@ Reads a committed enriched artifact (its files verified against the manifest, lo
 and, in Spark, through the shared stage lifecycle (`common.run_stage`):
   1. filtering (filter_rows.py): row checks, question<->answer cosine >= `min_qa_similarity`;
   2. deduplication (dedup.py, called from filter_rows.py): exact duplicates of the whole
-     conversation (NFKC, white space collapsed, case folded) and semantic near duplicates (LSH);
+     conversation (NFKC, white space collapsed, case folded) and semantic near duplicates (k-means clusters);
   3. split (split.py): train/val by a hash of the prompt, every answer to one prompt on one side,
      validation capped at `val_max_documents`;
   4. rendering (render_docs.py, chat_format.py): the whole conversation in the base model's chat

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-Method = Literal["cluster", "lsh"]
+Method = Literal["cluster"]  # near_dup_clusters.py (the only method since issue 33)
 Guard = Literal["numbers", "none"]  # near_dup_guard.py
 # float32 products find candidates down to this under the threshold (they can sit a hair under the
 # float64 cosine); the float64 product of the candidate pairs decides
@@ -24,16 +24,7 @@ class ClusterSettings:
     max_cluster_factor: float = 4.0  # a cluster estimated above this x cluster_size is split
     split_rounds: int = 3  # rounds of splitting (0 = never split)
     coarse_probes: int = 8  # coarse lists of the centroid index scored per row (0 = every centroid)
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class LshSettings:
-    bands: int = 48
-    rows_per_band: int = 16
-    min_band_matches: int = 2
-    max_leaders: int = 32
-    seed: int = 0
+    seed: int = 0  # filter.near_dup_seed: the k-means sample, seeds, splits and centroid index
 
 
 @dataclass(frozen=True)
@@ -41,7 +32,6 @@ class NearDupSettings:
     threshold: float
     method: Method = "cluster"
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
-    lsh: LshSettings = field(default_factory=LshSettings)
     recall_sample: int = 2000  # rows whose true near duplicates are found by brute force (0 = no check)
     recall_seed: int = 1
     guard: Guard = "numbers"  # what the pairs must also agree on (near_dup_guard.py); the caller computes the keys
@@ -78,13 +68,12 @@ class NearDupReport:
     rows: int
     threshold: float
     parameters: dict
-    expected_recall_at_threshold: float | None  # analytic (LSH, isotropic buckets); None for clustering
     measured: RecallEstimate | None
-    clusters: int | None = None
-    largest_cluster: int | None = None
-    mean_cluster: float | None = None
-    split_clusters: int | None = None  # k-means clusters replaced by a k-means of their own members
-    assignment_agreement: float | None = None  # sample rows the centroid index assigns as exhaustive search does
+    clusters: int
+    largest_cluster: int
+    mean_cluster: float
+    split_clusters: int  # k-means clusters replaced by a k-means of their own members
+    assignment_agreement: float  # sample rows the centroid index assigns as exhaustive search does
     warnings: tuple[str, ...] = ()
     guard: Guard = "numbers"
     guard_saved_pairs: int | None = None  # pairs at sim >= threshold that the guard kept apart

@@ -194,7 +194,7 @@ def pairs_in_cluster(t, threshold: float):
         out_l.append(c)
     jidx = np.concatenate(out_j) if out_j else np.zeros(0, np.int64)
     lidx = np.concatenate(out_l) if out_l else np.zeros(0, np.int64)
-    # the decision is the float64 cosine, as in the LSH path; float32 only finds the candidates
+    # the decision is the float64 cosine (as in the recall check); float32 only finds the candidates
     sims64 = np.einsum("ij,ij->i", m[jidx].astype(np.float64), m[lidx].astype(np.float64)) / 2.0
     ok = (sims64 >= threshold) & _owned(joined, jidx, lidx, cluster if cluster is not None else 0)
     agree = guards[jidx] == guards[lidx]

@@ -7,31 +7,31 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from pipeline_core import sample_data
+from samples import nemotron_v1
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "sample_data" / "nemotron_v1" / "data"
 
 
 def _bundled() -> dict[str, list[dict]]:
-    return {s: pq.read_table(BUNDLED / f"{s}-00000-of-00001.parquet").to_pylist() for s in sample_data.SPLITS}
+    return {s: pq.read_table(BUNDLED / f"{s}-00000-of-00001.parquet").to_pylist() for s in nemotron_v1.SPLITS}
 
 
 def test_bundled_files_have_the_exact_v1_schema_and_stay_small():
     total = 0
-    for split in sample_data.SPLITS:
+    for split in nemotron_v1.SPLITS:
         p = BUNDLED / f"{split}-00000-of-00001.parquet"
-        assert pq.read_schema(p).equals(sample_data.arrow_schema(), check_metadata=False), split
+        assert pq.read_schema(p).equals(nemotron_v1.arrow_schema(), check_metadata=False), split
         total += p.stat().st_size
     assert total < 1_000_000
 
 
 def test_bundled_sample_is_what_the_generator_produces(tmp_path):
     # Same seed -> same records; the committed files are reproducible from the code.
-    assert sample_data.generate(300, 0) == sample_data.generate(300, 0)
-    assert sample_data.generate(300, 0) != sample_data.generate(300, 1)
-    sample_data.main(["--output", str(tmp_path), "--rows", "300", "--seed", "0"])
-    for split in sample_data.SPLITS:
+    assert nemotron_v1.generate(300, 0) == nemotron_v1.generate(300, 0)
+    assert nemotron_v1.generate(300, 0) != nemotron_v1.generate(300, 1)
+    nemotron_v1.main(["--output", str(tmp_path), "--rows", "300", "--seed", "0"])
+    for split in nemotron_v1.SPLITS:
         name = f"{split}-00000-of-00001.parquet"
         assert pq.read_table(tmp_path / "data" / name).equals(pq.read_table(BUNDLED / name)), split
 
@@ -70,8 +70,8 @@ def test_sample_covers_every_shape():
 
 
 def test_jsonl_variant_has_broken_lines(tmp_path):
-    recs = sample_data.generate(60, 3)["chat"][:5]
-    p = sample_data.write_jsonl(recs, tmp_path / "x.jsonl")
+    recs = nemotron_v1.generate(60, 3)["chat"][:5]
+    p = nemotron_v1.write_jsonl(recs, tmp_path / "x.jsonl")
     lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
     ok = 0
     for ln in lines:
@@ -79,4 +79,4 @@ def test_jsonl_variant_has_broken_lines(tmp_path):
             ok += isinstance(json.loads(ln), dict)
         except ValueError:
             pass
-    assert ok == len(recs) and len(lines) - ok == sample_data.BROKEN_JSONL_LINES
+    assert ok == len(recs) and len(lines) - ok == nemotron_v1.BROKEN_JSONL_LINES

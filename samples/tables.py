@@ -1,4 +1,4 @@
-"""Topic tables behind the sample's ordinary ("filler") records (pipeline_core/sample_data.py).
+"""Topic tables behind the sample's ordinary ("filler") records (samples/nemotron_v1.py).
 
 Each split gets its own pool of distinct question/answer pairs: chat (countries, cooking, travel,
 a few non-English), stem (elements, organs, planets, SI units), code (tasks in many languages),
@@ -6,7 +6,7 @@ math (geometry, probability, algebra word problems, number theory, calculus, sta
 worked out) and tool (weather, currency, calendar, web search, unit conversion, flights, stocks).
 Pairs differ in subject, not only in numbers: the similarity filter drops pairs whose question and
 answer embeddings are both near another record's (cosine >= 0.9), and "12 x 13" vs "17 x 23"
-would be. Topics the crafted records use (sample_data.FACTS, TOOLS) are left out so a filler
+would be. Topics the crafted records use (nemotron_v1.FACTS, TOOLS) are left out so a filler
 record never duplicates a crafted one.
 """
 
@@ -435,7 +435,7 @@ def tool_cases() -> list[dict[str, Any]]:
 def tool_result(case: dict[str, Any]) -> str:
     return json.dumps(case["result"], ensure_ascii=False)
 
-# Extra noise for filler system prompts (sample_data.IRRELEVANT stays as the crafted records use it).
+# Extra noise for filler system prompts (nemotron_v1.IRRELEVANT stays as the crafted records use it).
 NOISE = (
     "The quarterly newsletter goes out next week.",
     "Visitors must sign in at the front desk.",

@@ -1,6 +1,6 @@
 """Deterministic sample in the Nemotron-Post-Training-Dataset-v1 schema (DESIGN.md "The input schema").
 
-    python -m pipeline_core.sample_data --output DIR [--rows N] [--seed S] [--jsonl]
+    python -m samples.nemotron_v1 --output DIR [--rows N] [--seed S] [--jsonl]
 
 writes `DIR/data/{chat,code,math,stem,tool}-00000-of-00001.parquet`. The bundled copy lives in
 `sample_data/nemotron_v1/`. Besides ordinary records the sample carries crafted ones whose
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline_core import sample_tables as tables
+from samples import tables
 
 SPLITS = ("chat", "code", "math", "stem", "tool")
 CATEGORY = {"chat": "chat", "code": "code", "math": "math", "stem": "stem", "tool": "tool_calling"}
@@ -433,7 +433,7 @@ def _filler_tool(g: _Gen, t: dict) -> dict:
 
 def filler(g: _Gen, split: str) -> dict:
     """An ordinary, well-formed record of `split` (no expectations): a question/answer pair from the
-    split's topic table (pipeline_core/sample_tables.py) that no other record of the sample uses,
+    split's topic table (samples/tables.py) that no other record of the sample uses,
     as a plain turn, with a system prompt mixing its evidence with noise, with a <think> trace, or
     after an earlier exchange (multi-turn). Non-English pairs stay plain."""
     item = _next_item(g, split)

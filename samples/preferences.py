@@ -1,6 +1,6 @@
 """The bundled preference sample (objective dpo): deterministic records in every accepted shape.
 
-    python -m pipeline_core.sample_preferences --output sample_data/preference
+    python -m samples.preferences --output sample_data/preference
 
 Writes `data/preference-00000-of-00001.jsonl`: factual questions (arithmetic, capitals, units,
 chemistry) whose chosen answer is right and stated plainly and whose rejected answer is a plausible

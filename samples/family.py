@@ -1,6 +1,6 @@
 """Deterministic sample of the newer Nemotron shapes + the seed tables that restore them (issue 28).
 
-    python -m pipeline_core.sample_family --output sample_data
+    python -m samples.family --output sample_data
 
 writes `nemotron_sft/data/{chat,tool,code}.jsonl` (the SFT collection's JSONL: `reasoning_content`,
 null system / user turns with `metadata.seed_dataset` + `seed_prompt_sha256`, `train_turns`,
@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline_core import sample_data as v1
+from samples import nemotron_v1 as v1
 
 WILDCHAT, LMSYS, TACO, APPS = "allenai/WildChat-1M", "lmsys/lmsys-chat-1m", "BAAI/TACO", "codeparrot/apps"
 PROMPT_SOURCES = {WILDCHAT: "seeds/wildchat", TACO: "seeds/taco"}
