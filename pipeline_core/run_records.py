@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import Field
 
-from pipeline_core.handoffs import _ExtraPart, _Handoff
+from pipeline_core.handoffs import ExtraPart, Handoff
 
 if TYPE_CHECKING:
     from pipeline_core.pointers import PointerRecord
 
 
-class StepMetrics(_Handoff):
+class StepMetrics(Handoff):
     """One row of `metrics.csv`: a training step; the pair metrics are empty for SFT runs."""
 
     step: int
@@ -48,7 +48,7 @@ STEP_COLUMNS = tuple(StepMetrics.model_fields)  # file order
 DPO_COLUMNS = STEP_COLUMNS[STEP_COLUMNS.index("pairs"):]
 
 
-class EvalMetrics(_Handoff):
+class EvalMetrics(Handoff):
     """One row of `eval.csv`: a validation pass at `step` (the pair metrics: `eval_` + DPO_COLUMNS)."""
 
     step: int
@@ -65,7 +65,7 @@ class EvalMetrics(_Handoff):
 
 
 EVAL_COLUMNS = tuple(EvalMetrics.model_fields)
-M = TypeVar("M", bound=_Handoff)
+M = TypeVar("M", bound=Handoff)
 
 
 def read_rows(model: type[M], text: str) -> list[M]:
@@ -73,7 +73,7 @@ def read_rows(model: type[M], text: str) -> list[M]:
     return [model.read({k: v for k, v in r.items() if v not in ("", "None")}) for r in csv.DictReader(io.StringIO(text))]
 
 
-class RunReportInfo(_ExtraPart):
+class RunReportInfo(ExtraPart):
     """The run report's manifest `extra` (training/train.py): the final validation and, objective dpo,
     the val pair metrics and the reference log-probs they were measured against."""
 
@@ -86,7 +86,7 @@ class RunReportInfo(_ExtraPart):
     reference_uri: str | None = None
 
 
-class MetricComparison(_Handoff):
+class MetricComparison(Handoff):
     """One `release.promote_on` metric: both models' scores (each from its own eval artifact)."""
 
     task: str
@@ -99,7 +99,7 @@ class MetricComparison(_Handoff):
     ok: bool
 
 
-class Decision(_Handoff):
+class Decision(Handoff):
     """What every gate returns (training/pointer_gate): the verdict and the pointer record it was made against."""
 
     promoted: bool
@@ -157,7 +157,7 @@ def read_decision(data: dict[str, Any]) -> Promotion | DPOPromotion:
     return (DPOPromotion if "reward_accuracy" in data else Promotion).read(data)
 
 
-class SFTPointerNumbers(_Handoff):
+class SFTPointerNumbers(Handoff):
     """`models/LATEST`'s record `extra`: the promoted model's val loss and the rows it was measured on."""
 
     val_uri: str
@@ -169,7 +169,7 @@ class SFTPointerNumbers(_Handoff):
         return cls.read(record.extra) if "val_loss" in record.extra else None
 
 
-class DPOPointerNumbers(_Handoff):
+class DPOPointerNumbers(Handoff):
     """`models/dpo/LATEST`'s record `extra`: what the next DPO run is compared with, on which pairs."""
 
     val_uri: str
