@@ -13,6 +13,7 @@ columns, promotion decisions) is in `pipeline_core/run_records.py`; stage and sp
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -120,6 +121,18 @@ class RowsPerSplit(Handoff):
 
     def to_counts(self) -> dict[str, Any]:
         return {"rows": dict(self.rows)}
+
+
+Counts = StageCounts | RowsPerSplit
+
+
+def read_counts(data: Counts | Mapping[str, Any] | None) -> Counts | None:
+    """A manifest's `counts` (or their dump in an XCom) as its model: None when there are none."""
+    if data is None or isinstance(data, StageCounts | RowsPerSplit):
+        return data
+    if not data:
+        return None
+    return (StageCounts if {"in", "out"} & data.keys() else RowsPerSplit).read(data)
 
 
 class TokenizerSpec(Handoff):
