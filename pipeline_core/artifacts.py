@@ -171,8 +171,6 @@ def code_version() -> str:
         return "unknown"
 
 
-
-
 def _check_counts(counts: Counts | None) -> None:
     if isinstance(counts, StageCounts):
         try:

@@ -7,6 +7,8 @@
   decision, stored in the run's `pipeline_summary.json` (`promotion`) and the publish task's XCom,
   read back with `read_decision`. Their `pointer_extra()` is what the pointer record keeps for the
   next run's comparison (`SFTPointerNumbers` / `DPOPointerNumbers`, read with `of`).
+- `RunSummary`: the run's `pipeline_summary.json` and the publish task's XCom (plugins/mft_airflow/summary.py
+  writes it and formats it; the publish task reads the decision from it).
 """
 
 from __future__ import annotations
@@ -15,9 +17,18 @@ import csv
 import io
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from pipeline_core.handoffs import ExtraPart, Handoff
+from pipeline_core.handoffs import (
+    BenchmarkResults,
+    Counts,
+    DecontamInfo,
+    ExtraPart,
+    Handoff,
+    SourcesSummary,
+    StageCounts,
+    read_counts,
+)
 
 if TYPE_CHECKING:
     from pipeline_core.pointers import PointerRecord
@@ -182,3 +193,92 @@ class DPOPointerNumbers(Handoff):
     def of(cls, record: PointerRecord) -> DPOPointerNumbers | None:
         """None for a record written by another gate (or before these numbers were kept)."""
         return cls.read(record.extra) if "reward_accuracy" in record.extra else None
+
+
+class StageSummary(Handoff):
+    """One data stage in the run summary: its artifact and the manifest's counts and timings."""
+
+    uri: str
+    committed: bool = True
+    counts: Counts | None = None
+    timings: dict[str, Any] | None = None
+
+    @field_validator("counts", mode="before")
+    @classmethod
+    def _typed_counts(cls, v: Any) -> Counts | None:
+        return read_counts(v)
+
+    @property
+    def stage_counts(self) -> StageCounts | None:
+        return self.counts if isinstance(self.counts, StageCounts) else None
+
+
+class FilterSummary(StageSummary):
+    decontamination: DecontamInfo | None = None
+
+
+class DPOPoint(Handoff):
+    """objective dpo: the pair metrics at one step (train: that step's pairs; val: every val pair)."""
+
+    step: int
+    pairs: int | None = None
+    loss: float | None = None
+    reward_accuracy: float | None = None
+    chosen_reward: float | None = None
+    rejected_reward: float | None = None
+    reward_margin: float | None = None
+
+
+class DPOCurves(Handoff):
+    train: tuple[DPOPoint, ...] = ()
+    val: tuple[DPOPoint, ...] = ()
+
+
+class TrainSummary(RunReportInfo):
+    """The run's training in the summary: the run report's figures and the loss at its first and last
+    logged step (metrics.csv)."""
+
+    run_uri: str | None = None
+    tokens: int | None = None
+    loss_start: float | None = None
+    loss_end: float | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    dpo: DPOCurves | None = None
+
+
+class ModelSummary(Handoff):
+    uri: str
+    files: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    manifest_sha256: str | None = None
+
+
+class EvalSummary(BenchmarkResults):
+    """The run's committed benchmark scores and where they are (runs/<run>/eval)."""
+
+    uri: str
+
+
+class RunSummary(Handoff):
+    """What a published run did (`runs/<run>/pipeline_summary.json`, the publish task's XCom): the data
+    stages' counts, the training's losses, the model, its scores and the promotion decision."""
+
+    dataset_version: str
+    run_id: str
+    objective: str = "sft"
+    source_uri: str
+    enrich: StageSummary
+    filter: FilterSummary
+    data_report: str | None = Field(None, description="the data report's page URI")
+    sources: SourcesSummary | None = None
+    train: TrainSummary = TrainSummary()
+    model: ModelSummary
+    eval: EvalSummary | None = None
+    promotion: Promotion | DPOPromotion | None = Field(None, description="the gate's decision (read_decision)")
+    latest: str | None = Field(None, description="the pointer the decision was about (models[/dpo]/LATEST)")
+
+    @field_validator("promotion", mode="before")
+    @classmethod
+    def _typed_decision(cls, v: Any) -> Promotion | DPOPromotion | None:
+        return read_decision(v) if isinstance(v, dict) else v

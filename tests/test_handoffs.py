@@ -16,6 +16,7 @@ from pipeline_core.handoffs import (
     FilterSourceSplits,
     ReportRef,
     RowsPerSplit,
+    SourcesSummary,
     StageCounts,
     TrainReadySplits,
     UnbalancedCounts,
@@ -223,10 +224,10 @@ def test_the_run_summary_s_sources_are_stored_as_json_and_read_back(tmp_path):
                           counts=StageCounts(rows_in=8, rows_out=5, rejected={"bad": 2, "x": 1}))
     tr = publish_artifact(tmp_path / "p", uris.qualify(tmp_path / "tr"), kind="train-ready", extra=TRAIN_READY_EXTRA,
                           counts=StageCounts(rows_in=5, rows_out=3, rejected={"too_long": 2}))
-    stored = json.loads(json.dumps(_sources(SimpleNamespace(enriched_uri=en.uri, train_ready_uri=tr.uri), None)))
+    stored = json.loads(json.dumps(_sources(SimpleNamespace(enriched_uri=en.uri, train_ready_uri=tr.uri), None).to_summary()))
     assert stored["prompt_sources"] == ENRICHED_EXTRA["prompt_sources"]
     assert stored["splits"]["chat"] == {"in": 7, "rejected": {"enrich:bad": 2, "filter:too_long": 2}, "kept": 5,
                                         "measured": 7, "fit_with": 6, "fit_without": 7}
-    lines = _fmt_sources(stored)
+    lines = _fmt_sources(SourcesSummary.read(stored))
     assert "  prompts c/d: 0 restored, 2 unrestorable <- not configured (enrich.prompt_sources['c/d'])" in lines
     assert any(line.startswith("  split   chat: in 7, kept 5; fit seq_len 6 with reasoning") for line in lines)
