@@ -281,6 +281,91 @@ class EnrichedInfo(ExtraPart):
     prompt_sources: dict[str, PromptSourceOutcome] = Field(default_factory=dict)
 
 
+class LengthFitCategory(Handoff):
+    """One record category's rendered lengths against seq_len (issue 29, spark_jobs/filter/job.split_fit)."""
+
+    rendered: int = Field(0, ge=0)
+    fit: int = Field(0, ge=0)
+    fit_without_reasoning: int = Field(0, ge=0)
+    reasoning_dropped: int = Field(0, ge=0)
+    kept: int = Field(0, ge=0)
+
+
+class LengthFit(Handoff):
+    """The filter's `extra.length_fit`: how many conversations fit seq_len, per record category."""
+
+    seq_len: int
+    overflow: str
+    with_reasoning: bool
+    splits: dict[str, LengthFitCategory] = Field(default_factory=dict)
+
+
+# the near-duplicate report's measured numbers, kept as written (an int stays an int: the JSON is unchanged)
+Number = int | float
+
+
+class RecallMeasured(Handoff):
+    """spark_jobs/near_dups/dedup_types.RecallEstimate as written."""
+
+    sampled_rows: int
+    with_duplicate: int
+    found: int
+    recall: Number | None
+    low_95: Number | None
+    high_95: Number | None
+
+
+class GuardSavedPair(Handoff):
+    """A pair the near-duplicate guard kept apart (both rows stay; the data report shows them)."""
+
+    split: str
+    id: str
+    other_id: str
+    similarity: Number
+
+
+class NearDupSummary(Handoff):
+    """The filter's `extra.near_duplicates`: the method's parameters, the recall measured on the run's
+    rows and what the guard kept apart (spark_jobs/near_dups/dedup_types.NearDupReport.as_manifest)."""
+
+    method: str
+    rows: int
+    threshold: Number
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    measured: RecallMeasured | None = None
+    clusters: int
+    largest_cluster: int
+    mean_cluster: Number
+    split_clusters: int
+    assignment_agreement: Number
+    warnings: list[str] = Field(default_factory=list)
+    guard: str = "numbers"
+    guard_saved_pairs: int | None = None
+    guard_saved_rows: int | None = None
+    guard_saved_by_split: dict[str, int] | None = None
+    guard_saved_examples: list[GuardSavedPair] = Field(default_factory=list)
+    dropped_by_split: dict[str, int] | None = None
+
+
+class FilterReports(ExtraPart):
+    """The filter stage's near-duplicate report and length fit (written by the Spark filter only;
+    None in manifests from before them, or written in process)."""
+
+    near_duplicates: NearDupSummary | None = None
+    length_fit: LengthFit | None = None
+
+
+class TrainReadyBasics(ExtraPart):
+    """The train-ready `extra` keys manifests had before `TrainReadyInfo` (the data report's fallback)."""
+
+    class LegacyTokenizer(Handoff):
+        spec: str | None = None
+
+    seq_len: int = 0
+    tokenizer: LegacyTokenizer | None = None
+    packing_efficiency: float | None = None
+
+
 class SplitAccount(Handoff):
     """One input split through both data stages (reports.facts.source_split_rows; the data report and
     the run summary show it): rows in, rejects by '<stage>:<reason>', kept, and the length fit."""
