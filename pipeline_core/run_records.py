@@ -275,10 +275,7 @@ class RunSummary(Handoff):
     train: TrainSummary = TrainSummary()
     model: ModelSummary
     eval: EvalSummary | None = None
-    promotion: Promotion | DPOPromotion | None = Field(None, description="the gate's decision (read_decision)")
+    # the gate's decision: each kind has required fields the other lacks, so the union reads it as
+    # read_decision does (a partial decision is refused)
+    promotion: Promotion | DPOPromotion | None = None
     latest: str | None = Field(None, description="the pointer the decision was about (models[/dpo]/LATEST)")
-
-    @field_validator("promotion", mode="before")
-    @classmethod
-    def _typed_decision(cls, v: Any) -> Promotion | DPOPromotion | None:
-        return read_decision(v) if isinstance(v, dict) else v
