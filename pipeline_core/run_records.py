@@ -17,7 +17,7 @@ import csv
 import io
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_serializer, field_validator
 
 from pipeline_core.handoffs import (
     BenchmarkResults,
@@ -279,3 +279,7 @@ class RunSummary(Handoff):
     # read_decision does (a partial decision is refused)
     promotion: Promotion | DPOPromotion | None = None
     latest: str | None = Field(None, description="the pointer the decision was about (models[/dpo]/LATEST)")
+
+    @field_serializer("sources")
+    def _sources_as_written(self, v: SourcesSummary | None) -> dict[str, Any] | None:
+        return None if v is None else v.to_summary()  # only what was counted (no empty keys per source)

@@ -256,6 +256,8 @@ def test_the_run_summary_reads_its_decision_as_the_gate_s_model():
     assert RunSummary.read(json.loads(json.dumps(s.to_json_dict()))) == s
     assert s.to_json_dict()["enrich"]["counts"] == {"in": 3, "out": 2, "rejected": {"x": 1}}  # the manifest's keys
     assert RunSummary.read(_summary(None)).promotion is None
+    sources = {"prompt_sources": {"c/d": {"config_key": "k", "restored": 1}}}  # stored as counted: no empty keys
+    assert RunSummary.read({**_summary(None), "sources": sources}).to_json_dict()["sources"] == sources
     with pytest.raises(ValidationError):  # a partial decision is refused, not half-read
         RunSummary.read(_summary({"promoted": True, "reason": "r"}))
 
