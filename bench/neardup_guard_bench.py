@@ -113,7 +113,9 @@ def analyse(out_uri: str, items: list, vecs: dict, work: Path, label: str) -> di
     negs = [i for i in items if i.kind == "negative"]
     uc = [i for i in items if i.kind == "unicode_copy"]
     m = read_manifest(out_uri)
-    nd = m.extra.get("near_duplicates") or {}
+    from pipeline_core.handoffs import FilterReports
+
+    nd = FilterReports.from_manifest(m).near_duplicates
     return {
         "math_variants": len(math_inst), "math_variants_dropped_for_another": sum(i.id in wrong for i in math_inst),
         "code_variants": len(inst) - len(math_inst),
@@ -130,8 +132,9 @@ def analyse(out_uri: str, items: list, vecs: dict, work: Path, label: str) -> di
         "unicode_copies": len(uc),
         "unicode_copies_exact": sum("exact_duplicate" in (rej.get(i.id, ("",))[0], rej.get(i.of, ("",))[0]) for i in uc),
         "near_rejects": len(near), "chain_rejects": sum(1 for r in near.values() if r in rej),
-        "counts": m.counts, "guard_saved_pairs": nd.get("guard_saved_pairs"),
-        "guard_saved_by_split": nd.get("guard_saved_by_split"), "measured_recall": (nd.get("measured") or {}).get("recall"),
+        "counts": m.counts, "guard_saved_pairs": nd.guard_saved_pairs if nd else None,
+        "guard_saved_by_split": nd.guard_saved_by_split if nd else None,
+        "measured_recall": nd.measured.recall if nd and nd.measured else None,
     }
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline_core import uris
 from pipeline_core.config import PROJECT_ROOT, stable_hash
-from pipeline_core.handoffs import FileEntry, RowsPerSplit, StageCounts, UnbalancedCounts
+from pipeline_core.handoffs import Counts, FileEntry, StageCounts, UnbalancedCounts, read_counts
 from pipeline_core.settings_loader import load_process_settings
 from pipeline_core.store import (
     ChecksumMismatch,
@@ -171,18 +171,6 @@ def code_version() -> str:
         return "unknown"
 
 
-Counts = StageCounts | RowsPerSplit
-
-
-def _counts_model(counts: Counts | Mapping[str, Any] | None) -> Counts | None:
-    """The typed counts to commit; a plain mapping (tests, older callers) is validated into one."""
-    if counts is None or isinstance(counts, StageCounts | RowsPerSplit):
-        return counts
-    if not counts:
-        return None
-    return (StageCounts if {"in", "out"} & counts.keys() else RowsPerSplit).read(counts)
-
-
 def _check_counts(counts: Counts | None) -> None:
     if isinstance(counts, StageCounts):
         try:
@@ -241,7 +229,7 @@ def publish_artifact(
     uploaded payload is then removed."""
     uri = uris.require_uri(uri, "artifact URI").rstrip("/")
     local_dir = Path(local_dir)
-    counts = _counts_model(counts)
+    counts = read_counts(counts)
     _check_counts(counts)
     store, key = open_store(uri, storage)
     key = key.rstrip("/")

@@ -3,7 +3,7 @@
 The filter stage writes `TrainReadyInfo` into the train-ready manifest's `extra`; the trainer, the
 data report and the Airflow summary read it back with `TrainReadyInfo.from_manifest`, never by
 string keys of their own. The same holds for a manifest's `counts` (`StageCounts`) and `files`
-(`FileEntry`), each stage's other `extra` parts (`_ExtraPart` subclasses), and the data report's XCom
+(`FileEntry`), each stage's other `extra` parts (`ExtraPart` subclasses), and the data report's XCom
 (`ReportRef`). Writers construct models by field name; `read`/`from_manifest` accept the on-disk
 keys only. A field added here is a contract change: bump nothing, but give it a default so
 manifests committed before it still read. What a training run writes for others to read (metrics
@@ -13,6 +13,7 @@ columns, promotion decisions) is in `pipeline_core/run_records.py`; stage and sp
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 IGNORE_INDEX = -100
 
 
-class _Handoff(BaseModel):
+class Handoff(BaseModel):
     # populate_by_name: writers build a model by its field names, the JSON on disk keeps its keys (aliases)
     model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
 
@@ -44,7 +45,7 @@ class UnbalancedCounts(RuntimeError):
     """Row counts that lose or invent records: in != out + sum(rejected)."""
 
 
-class StageCounts(_Handoff):
+class StageCounts(Handoff):
     """A manifest's `counts` for a stage that keeps or rejects rows: in = out + sum(rejected).
 
     On disk the keys are `in`, `out`, `rejected` ({reason: rows}); a count-less artifact (a model,
@@ -92,7 +93,7 @@ class StageCounts(_Handoff):
         return cls.from_manifest(manifest)
 
 
-class FileEntry(_Handoff):
+class FileEntry(Handoff):
     """One entry of a manifest's `files`: a payload file's path under the artifact, size and sha256."""
 
     path: str = Field(min_length=1)
@@ -112,7 +113,7 @@ class FileEntry(_Handoff):
         return next((e for e in cls.all_of(manifest) if e.path == path), None)
 
 
-class RowsPerSplit(_Handoff):
+class RowsPerSplit(Handoff):
     """A manifest's `counts` for an artifact that annotates rows without keeping or rejecting any
     (the DPO reference log-probs): rows per split."""
 
@@ -122,7 +123,19 @@ class RowsPerSplit(_Handoff):
         return {"rows": dict(self.rows)}
 
 
-class TokenizerSpec(_Handoff):
+Counts = StageCounts | RowsPerSplit
+
+
+def read_counts(data: Counts | Mapping[str, Any] | None) -> Counts | None:
+    """A manifest's `counts` (or their dump in an XCom) as its model: None when there are none."""
+    if data is None or isinstance(data, StageCounts | RowsPerSplit):
+        return data
+    if not data:
+        return None
+    return (StageCounts if {"in", "out"} & data.keys() else RowsPerSplit).read(data)
+
+
+class TokenizerSpec(Handoff):
     """The tokenizer and chat format a train-ready artifact was rendered with.
 
     The trainer refuses a base model whose vocabulary disagrees (size, special ids) before any
@@ -138,7 +151,7 @@ class TokenizerSpec(_Handoff):
     chat_template: str | None = Field(None, description="Jinja chat template equivalent to the rendering used")
 
 
-class EvalSetCount(_Handoff):
+class EvalSetCount(Handoff):
     """One eval set the filter decontaminated against: what it was (URI, content hash) and what it removed."""
 
     name: str
@@ -150,7 +163,7 @@ class EvalSetCount(_Handoff):
     rows_removed: int = Field(ge=0, description="records rejected as 'contaminated' naming this set")
 
 
-class DecontamInfo(_Handoff):
+class DecontamInfo(Handoff):
     """The decontamination's settings and per-set counts (spark_jobs/filter/decontaminate.py)."""
 
     ngram: int
@@ -159,7 +172,7 @@ class DecontamInfo(_Handoff):
     eval_sets: tuple[EvalSetCount, ...] = ()
 
 
-class TrainReadyInfo(_Handoff):
+class TrainReadyInfo(Handoff):
     """What the filter stage promises about a train-ready artifact (manifest `extra`)."""
 
     seq_len: int = Field(ge=1)
@@ -194,7 +207,7 @@ class TrainReadyInfo(_Handoff):
             return None
 
 
-class _ExtraPart(_Handoff):
+class ExtraPart(Handoff):
     """Keys of a manifest's `extra` that one stage writes and other modules read: the writer merges
     `to_extra()` into the extra it commits, every reader calls `from_manifest`. Only the fields a
     writer set are written (`exclude_unset`), so the JSON on disk is what the dict literals were."""
@@ -207,7 +220,7 @@ class _ExtraPart(_Handoff):
         return cls.read(manifest.extra or {})
 
 
-class PackedSplit(_Handoff):
+class PackedSplit(Handoff):
     """One split of a train-ready artifact as packed (`extra.splits[<split>]`, spark_jobs/filter/train_ready.py)."""
 
     records: int = Field(0, ge=0, description="kept records")
@@ -221,13 +234,13 @@ class PackedSplit(_Handoff):
     packing_efficiency: float | None = None
 
 
-class TrainReadySplits(_ExtraPart):
+class TrainReadySplits(ExtraPart):
     """The train-ready manifest's per-split packing statistics (also in manifests older than TrainReadyInfo)."""
 
     splits: dict[str, PackedSplit] = Field(default_factory=dict)
 
 
-class SourceSplit(_Handoff):
+class SourceSplit(Handoff):
     """One input split as the filter saw it (`extra.source_splits[<split>]`, issue 28)."""
 
     rows_in: int = Field(0, alias="in", ge=0)
@@ -238,13 +251,13 @@ class SourceSplit(_Handoff):
     fit_seq_len_without_reasoning: int = Field(0, ge=0)
 
 
-class FilterSourceSplits(_ExtraPart):
+class FilterSourceSplits(ExtraPart):
     """The filter stage's per-input-split accounting (written by the Spark filter only)."""
 
     source_splits: dict[str, SourceSplit] = Field(default_factory=dict)
 
 
-class PromptSourceOutcome(_Handoff):
+class PromptSourceOutcome(Handoff):
     """One seed dataset named by withheld prompts (`extra.prompt_sources[<hub id>]`, enrich):
     where it came from (when configured) and how many prompts it restored."""
 
@@ -259,7 +272,7 @@ class PromptSourceOutcome(_Handoff):
     outcomes: dict[str, int] = Field(default_factory=dict, description="restore status -> rows")
 
 
-class EnrichedInfo(_ExtraPart):
+class EnrichedInfo(ExtraPart):
     """What the enrich stage promises other modules in its manifest's `extra` (per-split counts,
     withheld prompts restored per seed source)."""
 
@@ -268,7 +281,92 @@ class EnrichedInfo(_ExtraPart):
     prompt_sources: dict[str, PromptSourceOutcome] = Field(default_factory=dict)
 
 
-class SplitAccount(_Handoff):
+class LengthFitCategory(Handoff):
+    """One record category's rendered lengths against seq_len (issue 29, spark_jobs/filter/job.split_fit)."""
+
+    rendered: int = Field(0, ge=0)
+    fit: int = Field(0, ge=0)
+    fit_without_reasoning: int = Field(0, ge=0)
+    reasoning_dropped: int = Field(0, ge=0)
+    kept: int = Field(0, ge=0)
+
+
+class LengthFit(Handoff):
+    """The filter's `extra.length_fit`: how many conversations fit seq_len, per record category."""
+
+    seq_len: int
+    overflow: str
+    with_reasoning: bool
+    splits: dict[str, LengthFitCategory] = Field(default_factory=dict)
+
+
+# the near-duplicate report's measured numbers, kept as written (an int stays an int: the JSON is unchanged)
+Number = int | float
+
+
+class RecallMeasured(Handoff):
+    """spark_jobs/near_dups/dedup_types.RecallEstimate as written."""
+
+    sampled_rows: int
+    with_duplicate: int
+    found: int
+    recall: Number | None
+    low_95: Number | None
+    high_95: Number | None
+
+
+class GuardSavedPair(Handoff):
+    """A pair the near-duplicate guard kept apart (both rows stay; the data report shows them)."""
+
+    split: str
+    id: str
+    other_id: str
+    similarity: Number
+
+
+class NearDupSummary(Handoff):
+    """The filter's `extra.near_duplicates`: the method's parameters, the recall measured on the run's
+    rows and what the guard kept apart (spark_jobs/near_dups/dedup_types.NearDupReport.as_manifest)."""
+
+    method: str
+    rows: int
+    threshold: Number
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    measured: RecallMeasured | None = None
+    clusters: int
+    largest_cluster: int
+    mean_cluster: Number
+    split_clusters: int
+    assignment_agreement: Number
+    warnings: list[str] = Field(default_factory=list)
+    guard: str = "numbers"
+    guard_saved_pairs: int | None = None
+    guard_saved_rows: int | None = None
+    guard_saved_by_split: dict[str, int] | None = None
+    guard_saved_examples: list[GuardSavedPair] = Field(default_factory=list)
+    dropped_by_split: dict[str, int] | None = None
+
+
+class FilterReports(ExtraPart):
+    """The filter stage's near-duplicate report and length fit (written by the Spark filter only;
+    None in manifests from before them, or written in process)."""
+
+    near_duplicates: NearDupSummary | None = None
+    length_fit: LengthFit | None = None
+
+
+class TrainReadyBasics(ExtraPart):
+    """The train-ready `extra` keys manifests had before `TrainReadyInfo` (the data report's fallback)."""
+
+    class LegacyTokenizer(Handoff):
+        spec: str | None = None
+
+    seq_len: int = 0
+    tokenizer: LegacyTokenizer | None = None
+    packing_efficiency: float | None = None
+
+
+class SplitAccount(Handoff):
     """One input split through both data stages (reports.facts.source_split_rows; the data report and
     the run summary show it): rows in, rejects by '<stage>:<reason>', kept, and the length fit."""
 
@@ -280,7 +378,7 @@ class SplitAccount(_Handoff):
     fit_without: int | None = None
 
 
-class SourcesSummary(_Handoff):
+class SourcesSummary(Handoff):
     """The run summary's `sources`: per input split through both stages, and the withheld prompts
     restored per seed source (plugins/mft_airflow/summary.py)."""
 
@@ -291,7 +389,7 @@ class SourcesSummary(_Handoff):
         return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
 
-class Headline(_Handoff):
+class Headline(Handoff):
     """A data report's headline figures (report manifest `extra.headline`; the approval request and
     the run note show them)."""
 
@@ -307,11 +405,11 @@ class Headline(_Handoff):
     seq_len: int = 0
 
 
-class DataReportInfo(_ExtraPart):
+class DataReportInfo(ExtraPart):
     headline: Headline | None = None
 
 
-class ReportRef(_Handoff):
+class ReportRef(Handoff):
     """The data report task's XCom: the report's URIs and headline, for the approval gate and the run note."""
 
     uri: str
@@ -320,12 +418,12 @@ class ReportRef(_Handoff):
     view: str | None = Field(None, description="the page's browser address, when Airflow's [api] base_url is set")
 
 
-class MetricScore(_Handoff):
+class MetricScore(Handoff):
     value: float | None
     stderr: float | None = None
 
 
-class TaskScores(_Handoff):
+class TaskScores(Handoff):
     """One lm-evaluation-harness task's scores on a model (training/benchmarks.py)."""
 
     task: str
@@ -337,7 +435,7 @@ class TaskScores(_Handoff):
     yaml_sha256: str | None = Field(None, description="sha256 of the local YAML task, when the task is one")
 
 
-class BenchmarkResults(_Handoff):
+class BenchmarkResults(Handoff):
     """What a run's `eval/` artifact promises (its manifest `extra`): scores per task of one model."""
 
     model_uri: str

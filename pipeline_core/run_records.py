@@ -7,6 +7,8 @@
   decision, stored in the run's `pipeline_summary.json` (`promotion`) and the publish task's XCom,
   read back with `read_decision`. Their `pointer_extra()` is what the pointer record keeps for the
   next run's comparison (`SFTPointerNumbers` / `DPOPointerNumbers`, read with `of`).
+- `RunSummary`: the run's `pipeline_summary.json` and the publish task's XCom (plugins/mft_airflow/summary.py
+  writes it and formats it; the publish task reads the decision from it).
 """
 
 from __future__ import annotations
@@ -15,15 +17,24 @@ import csv
 import io
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import Field
+from pydantic import Field, field_serializer, field_validator
 
-from pipeline_core.handoffs import _ExtraPart, _Handoff
+from pipeline_core.handoffs import (
+    BenchmarkResults,
+    Counts,
+    DecontamInfo,
+    ExtraPart,
+    Handoff,
+    SourcesSummary,
+    StageCounts,
+    read_counts,
+)
 
 if TYPE_CHECKING:
     from pipeline_core.pointers import PointerRecord
 
 
-class StepMetrics(_Handoff):
+class StepMetrics(Handoff):
     """One row of `metrics.csv`: a training step; the pair metrics are empty for SFT runs."""
 
     step: int
@@ -48,7 +59,7 @@ STEP_COLUMNS = tuple(StepMetrics.model_fields)  # file order
 DPO_COLUMNS = STEP_COLUMNS[STEP_COLUMNS.index("pairs"):]
 
 
-class EvalMetrics(_Handoff):
+class EvalMetrics(Handoff):
     """One row of `eval.csv`: a validation pass at `step` (the pair metrics: `eval_` + DPO_COLUMNS)."""
 
     step: int
@@ -65,7 +76,7 @@ class EvalMetrics(_Handoff):
 
 
 EVAL_COLUMNS = tuple(EvalMetrics.model_fields)
-M = TypeVar("M", bound=_Handoff)
+M = TypeVar("M", bound=Handoff)
 
 
 def read_rows(model: type[M], text: str) -> list[M]:
@@ -73,7 +84,7 @@ def read_rows(model: type[M], text: str) -> list[M]:
     return [model.read({k: v for k, v in r.items() if v not in ("", "None")}) for r in csv.DictReader(io.StringIO(text))]
 
 
-class RunReportInfo(_ExtraPart):
+class RunReportInfo(ExtraPart):
     """The run report's manifest `extra` (training/train.py): the final validation and, objective dpo,
     the val pair metrics and the reference log-probs they were measured against."""
 
@@ -86,7 +97,7 @@ class RunReportInfo(_ExtraPart):
     reference_uri: str | None = None
 
 
-class MetricComparison(_Handoff):
+class MetricComparison(Handoff):
     """One `release.promote_on` metric: both models' scores (each from its own eval artifact)."""
 
     task: str
@@ -99,7 +110,7 @@ class MetricComparison(_Handoff):
     ok: bool
 
 
-class Decision(_Handoff):
+class Decision(Handoff):
     """What every gate returns (training/pointer_gate): the verdict and the pointer record it was made against."""
 
     promoted: bool
@@ -157,7 +168,7 @@ def read_decision(data: dict[str, Any]) -> Promotion | DPOPromotion:
     return (DPOPromotion if "reward_accuracy" in data else Promotion).read(data)
 
 
-class SFTPointerNumbers(_Handoff):
+class SFTPointerNumbers(Handoff):
     """`models/LATEST`'s record `extra`: the promoted model's val loss and the rows it was measured on."""
 
     val_uri: str
@@ -169,7 +180,7 @@ class SFTPointerNumbers(_Handoff):
         return cls.read(record.extra) if "val_loss" in record.extra else None
 
 
-class DPOPointerNumbers(_Handoff):
+class DPOPointerNumbers(Handoff):
     """`models/dpo/LATEST`'s record `extra`: what the next DPO run is compared with, on which pairs."""
 
     val_uri: str
@@ -182,3 +193,93 @@ class DPOPointerNumbers(_Handoff):
     def of(cls, record: PointerRecord) -> DPOPointerNumbers | None:
         """None for a record written by another gate (or before these numbers were kept)."""
         return cls.read(record.extra) if "reward_accuracy" in record.extra else None
+
+
+class StageSummary(Handoff):
+    """One data stage in the run summary: its artifact and the manifest's counts and timings."""
+
+    uri: str
+    committed: bool = True
+    counts: Counts | None = None
+    timings: dict[str, Any] | None = None
+
+    @field_validator("counts", mode="before")
+    @classmethod
+    def _typed_counts(cls, v: Any) -> Counts | None:
+        return read_counts(v)
+
+    @property
+    def stage_counts(self) -> StageCounts | None:
+        return self.counts if isinstance(self.counts, StageCounts) else None
+
+
+class FilterSummary(StageSummary):
+    decontamination: DecontamInfo | None = None
+
+
+class DPOPoint(Handoff):
+    """objective dpo: the pair metrics at one step (train: that step's pairs; val: every val pair)."""
+
+    step: int
+    pairs: int | None = None
+    loss: float | None = None
+    reward_accuracy: float | None = None
+    chosen_reward: float | None = None
+    rejected_reward: float | None = None
+    reward_margin: float | None = None
+
+
+class DPOCurves(Handoff):
+    train: tuple[DPOPoint, ...] = ()
+    val: tuple[DPOPoint, ...] = ()
+
+
+class TrainSummary(RunReportInfo):
+    """The run's training in the summary: the run report's figures and the loss at its first and last
+    logged step (metrics.csv)."""
+
+    run_uri: str | None = None
+    tokens: int | None = None
+    loss_start: float | None = None
+    loss_end: float | None = None
+    first_step: int | None = None
+    last_step: int | None = None
+    dpo: DPOCurves | None = None
+
+
+class ModelSummary(Handoff):
+    uri: str
+    files: int = Field(ge=0)
+    bytes: int = Field(ge=0)
+    manifest_sha256: str | None = None
+
+
+class EvalSummary(BenchmarkResults):
+    """The run's committed benchmark scores and where they are (runs/<run>/eval)."""
+
+    uri: str
+
+
+class RunSummary(Handoff):
+    """What a published run did (`runs/<run>/pipeline_summary.json`, the publish task's XCom): the data
+    stages' counts, the training's losses, the model, its scores and the promotion decision."""
+
+    dataset_version: str
+    run_id: str
+    objective: str = "sft"
+    source_uri: str
+    enrich: StageSummary
+    filter: FilterSummary
+    data_report: str | None = Field(None, description="the data report's page URI")
+    sources: SourcesSummary | None = None
+    train: TrainSummary = TrainSummary()
+    model: ModelSummary
+    eval: EvalSummary | None = None
+    # the gate's decision: each kind has required fields the other lacks, so the union reads it as
+    # read_decision does (a partial decision is refused)
+    promotion: Promotion | DPOPromotion | None = None
+    latest: str | None = Field(None, description="the pointer the decision was about (models[/dpo]/LATEST)")
+
+    @field_serializer("sources")
+    def _sources_as_written(self, v: SourcesSummary | None) -> dict[str, Any] | None:
+        return None if v is None else v.to_summary()  # only what was counted (no empty keys per source)

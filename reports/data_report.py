@@ -34,9 +34,11 @@ from pipeline_core.config import StorageSection, load_config
 from pipeline_core.handoffs import (
     DataReportInfo,
     EnrichedInfo,
+    FilterReports,
     Headline,
     ReportRef,
     StageCounts,
+    TrainReadyBasics,
     TrainReadyInfo,
     TrainReadySplits,
 )
@@ -145,10 +147,11 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
 
     # packed documents: length histogram and the example with its loss mask
     info = TrainReadyInfo.of(tr)
-    seq_len = info.seq_len if info else int(tr.extra.get("seq_len", 0))
+    basics = TrainReadyBasics.from_manifest(tr)  # manifests from before TrainReadyInfo
+    seq_len = info.seq_len if info else basics.seq_len
     tokens, targets, docs = split_tokens(tr, info)
     lengths, sampled, example, example_split = {}, {}, [], None
-    tok_spec = info.tokenizer.name if info else (tr.extra.get("tokenizer") or {}).get("spec") or fcfg.get("tokenizer")
+    tok_spec = info.tokenizer.name if info else (basics.tokenizer and basics.tokenizer.spec) or fcfg.get("tokenizer")
     best: tuple[list[int], list[int]] | None = None
     for split in (Split.VAL, Split.TRAIN):
         t = read_table(_parquet(tr_dir, tr, data_prefix(split)), ["input_ids", "labels", "position_ids"])
@@ -163,13 +166,14 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
         example = mask_spans(best[0], best[1], tok.decode)
 
     splits = TrainReadySplits.from_manifest(tr).splits
+    filter_reports = FilterReports.from_manifest(tr)
     en_counts, tr_counts = StageCounts.from_manifest(en), StageCounts.from_manifest(tr)
     headline = Headline(
         records_in=en_counts.rows_in, enriched=en_counts.rows_out, kept=tr_counts.rows_out,
         rejected={k: sum(v.values()) for k, v in sorted(rejects_by_split.items())},
         tokens=tokens, target_tokens=targets, documents=docs, val_documents=int(docs.get(Split.VAL, 0)),
         packing_efficiency=(info.packing_efficiency if info and info.packing_efficiency is not None
-                            else tr.extra.get("packing_efficiency")),
+                            else basics.packing_efficiency),
         seq_len=seq_len,
     )
     return ReportFacts(
@@ -184,9 +188,9 @@ def collect(train_ready_uri: str, enriched_uri: str | None, storage: StorageSect
         packing_by_split={s: v.packing_efficiency for s, v in splits.items()},
         example=example, example_split=example_split,
         decontamination=info.decontamination if info else None,
-        near_dup_guard=(tr.extra.get("near_duplicates") or {}).get("guard"),
-        guard_by_split=guard_by_split(tr.extra.get("near_duplicates"), pairs, near_split, question_of, GUARD_EXAMPLES),
-        length_fit=tr.extra.get("length_fit") or {},
+        near_dup_guard=filter_reports.near_duplicates.guard if filter_reports.near_duplicates else None,
+        guard_by_split=guard_by_split(filter_reports.near_duplicates, pairs, near_split, question_of, GUARD_EXAMPLES),
+        length_fit=filter_reports.length_fit,
         source_splits=source_split_rows(en, tr), prompt_sources=EnrichedInfo.from_manifest(en).prompt_sources,
         withheld_without_key=en_counts.rejected.get("prompt_withheld", 0),
     )

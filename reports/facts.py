@@ -23,6 +23,8 @@ from pipeline_core.handoffs import (
     EnrichedInfo,
     FilterSourceSplits,
     Headline,
+    LengthFit,
+    NearDupSummary,
     PromptSourceOutcome,
     SplitAccount,
     TrainReadyInfo,
@@ -84,7 +86,7 @@ class ReportFacts:
     decontamination: DecontamInfo | None = None  # the eval sets the filter matched against, rows removed per set
     near_dup_guard: str | None = None  # the filter's near_dup_guard; None: manifest from before issue 27
     guard_by_split: list[GuardSplit] = field(default_factory=list)
-    length_fit: dict[str, Any] = field(default_factory=dict)  # the manifest's length_fit (issue 29)
+    length_fit: LengthFit | None = None  # the manifest's length_fit (issue 29)
     # per input split (issue 28): enrich's rows in / rejects, the filter's rejects and seq_len fit
     source_splits: dict[str, SplitAccount] = field(default_factory=dict)
     prompt_sources: dict[str, PromptSourceOutcome] = field(default_factory=dict)  # enrich's restored / unrestorable
@@ -213,22 +215,21 @@ def richest_document(input_ids: list[list[int]], labels: list[list[int]], positi
     return best
 
 
-def guard_by_split(near_extra: dict | None, dropped: list[NearDuplicate], split_of: dict[str, str],
+def guard_by_split(near: NearDupSummary | None, dropped: list[NearDuplicate], split_of: dict[str, str],
                    question_of: dict[str, str], examples: int) -> list[GuardSplit]:
     """Per split: the guard-saved pair count and examples (the filter manifest's
     `extra.near_duplicates`) beside the dropped pairs (the near-duplicate rejects)."""
-    near_extra = near_extra or {}
-    counts = near_extra.get("guard_saved_by_split") or {}
+    counts = (near.guard_saved_by_split if near else None) or {}
     saved: dict[str, list[NearDuplicate]] = {}
-    for e in near_extra.get("guard_saved_examples") or []:
-        saved.setdefault(e["split"], []).append(NearDuplicate(
-            id=e["id"], question=question_of.get(e["id"]) or "", duplicate_of=e["other_id"],
-            duplicate_question=question_of.get(e["other_id"]), score=e["similarity"]))
+    for e in near.guard_saved_examples if near else []:
+        saved.setdefault(e.split, []).append(NearDuplicate(
+            id=e.id, question=question_of.get(e.id) or "", duplicate_of=e.other_id,
+            duplicate_question=question_of.get(e.other_id), score=e.similarity))
     gone: dict[str, list[NearDuplicate]] = {}
     for d in dropped:
         gone.setdefault(split_of.get(d.id, NO_SPLIT), []).append(d)
     # counts by the filter's own split rule (prompt key) when the manifest has them
-    n_gone = near_extra.get("dropped_by_split") or {s: len(v) for s, v in gone.items()}
+    n_gone = (near.dropped_by_split if near else None) or {s: len(v) for s, v in gone.items()}
     return [GuardSplit(split=s, saved_pairs=int(counts.get(s, 0)), dropped=int(n_gone.get(s, 0)),
                        saved_examples=saved.get(s, [])[:examples], dropped_examples=gone.get(s, [])[:examples])
             for s in sorted(set(counts) | set(saved) | set(n_gone) | set(gone))]

@@ -4,6 +4,7 @@ checks the model's files before `models/LATEST` moves."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from datetime import UTC, datetime
@@ -16,7 +17,9 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from pipeline_core import uris
 from pipeline_core.artifacts import CorruptArtifact, publish_artifact, read_latest
-from plugins.mft_airflow.operators import SparkStageOperator, TrainOperator
+from pipeline_core.handoffs import StageCounts
+from pipeline_core.run_records import RunSummary
+from plugins.mft_airflow.operators import SparkStageOperator, StageResult, TrainOperator
 from plugins.mft_airflow.plan import resolve_plan
 from plugins.mft_airflow.settings import load_settings
 from plugins.mft_airflow.summary import format_summary, latest_summary, newest_summary, publish_model
@@ -53,6 +56,9 @@ def test_committed_artifact_is_reused_without_spark(plan, tmp_path, monkeypatch)
     ctx = task_context(plan)
     result = op.execute(ctx)
     assert result["reused"] is True and result["counts"] == counts
+    # the XCom is JSON with the manifest's keys; the model reads it back typed
+    assert StageResult.read(json.loads(json.dumps(result))).counts == StageCounts(rows_in=3, rows_out=2,
+                                                                                  rejected={"empty_answer": 1})
     [(asset, extra)] = ctx["outlet_events"][AssetAlias("mistral_finetune/enriched")].added
     assert asset.uri == plan.enriched_uri and extra["dataset_version"] == "v1"
     assert (extra["rows_in"], extra["rows_out"], extra["rows_rejected"]) == (3, 2, 1)
@@ -114,14 +120,16 @@ def test_publish_reports_losses_and_moves_latest_last(plan, tmp_path):
             {"report/metrics.csv": b"step,loss,lr\n1,10.5,0.001\n2,9.25,0.001\n"},
             extra={"eval_loss": 9.0, "eval_perplexity": 8103.1})
     s = publish_model(plan, None, order_key_from_date(datetime(2026, 1, 1, tzinfo=UTC)))
-    assert s["train"]["loss_start"] == 10.5 and s["train"]["loss_end"] == 9.25 and s["train"]["eval_loss"] == 9.0
-    assert s["enrich"]["counts"]["rejected"] == {"empty_answer": 2} and s["model"]["files"] == len(model.files)
-    assert s["promotion"]["promoted"] and s["promotion"]["current_val_loss"] is None
+    assert s.train.loss_start == 10.5 and s.train.loss_end == 9.25 and s.train.eval_loss == 9.0
+    assert s.enrich.counts.rejected == {"empty_answer": 2} and s.model.files == len(model.files)
+    assert s.promotion.promoted and s.promotion.current_val_loss is None
+    # the stored summary and the publish XCom are its JSON, read back as the same model
+    assert RunSummary.read(json.loads(json.dumps(s.to_json_dict()))) == s
     assert read_pointer(plan.models_uri).target == plan.model_uri == read_latest(plan.models_uri)
     text = format_summary(latest_summary(plan.store_uri, None))
     assert "loss start 10.5000" in text and "-> end 9.2500" in text and plan.model_uri in text
     assert "promote PROMOTED" in text
-    assert newest_summary(plan.store_uri, None)["run_id"] == plan.run_id  # the same run, found by listing
+    assert newest_summary(plan.store_uri, None).run_id == plan.run_id  # the same run, found by listing
     with pytest.raises(Exception, match="no published dpo run"):
         newest_summary(plan.store_uri, None, "dpo")
 
@@ -139,10 +147,10 @@ def test_the_summary_shows_a_dpo_runs_reward_metrics(plan, tmp_path):
                             + "\n2,0.6,,6,0.6,0.5,0.05,0,0.05\n3,0.45,,6,0.45,0.8333,0.3,-0.2,0.5\n").encode()},
         extra={"eval_reward_accuracy": 0.8333})
     d = _losses(uris.join(plan.run_uri, "report"), None)["dpo"]
-    assert [(r["step"], r["reward_accuracy"], r["reward_margin"]) for r in d["train"]] == [
+    assert [(r.step, r.reward_accuracy, r.reward_margin) for r in d.train] == [
         (1, 0.25, 0.0), (2, 0.5, 0.1), (3, 0.75, 0.9)]
-    assert [(r["step"], r["pairs"], r["loss"], r["reward_accuracy"], r["chosen_reward"], r["rejected_reward"])
-            for r in d["val"]] == [(2, 6, 0.6, 0.5, 0.05, 0.0), (3, 6, 0.45, 0.8333, 0.3, -0.2)]
+    assert [(r.step, r.pairs, r.loss, r.reward_accuracy, r.chosen_reward, r.rejected_reward)
+            for r in d.val] == [(2, 6, 0.6, 0.5, 0.05, 0.0), (3, 6, 0.45, 0.8333, 0.3, -0.2)]
     text = "\n".join(_fmt_dpo(d))
     assert "0.500 at step 2, 0.833 at step 3 (6 pairs); margin 0.0500 -> 0.5000, loss 0.6000 -> 0.4500" in text
     assert "      3 |  0.4000  0.75   0.5000  -0.4000   0.9000 |  0.4500  0.83   0.3000  -0.2000   0.5000" in text

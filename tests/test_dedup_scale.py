@@ -262,7 +262,7 @@ def test_cluster_method_matches_brute_force_and_reports_measured_recall(spark, t
     assert r.method == "cluster" and r.rows == 3000 and r.clusters == 12
     assert r.measured is not None and r.measured.with_duplicate > 10
     assert r.measured.found <= r.measured.with_duplicate and r.measured.low_95 <= r.measured.recall
-    assert r.as_manifest()["measured"]["recall"] == r.measured.recall
+    assert r.as_manifest().measured.recall == r.measured.recall
 
 
 def test_skewed_input_biggest_cluster_is_split_and_keeps_its_recall(spark, tmp_path):
@@ -316,7 +316,7 @@ def test_stage_assigns_through_the_centroid_index_and_reports_its_agreement(spar
     assert len(want) > 400 and keep_first_recall(found, v, keys, 0.9) >= 0.95
     assert r.parameters["coarse_probes"] == 4 and r.clusters >= 120
     assert 0.7 <= r.assignment_agreement < 1.0  # approximate, and measured: exhaustive search would say 1.0
-    assert r.as_manifest()["assignment_agreement"] == r.assignment_agreement
+    assert r.as_manifest().assignment_agreement == r.assignment_agreement
 
 
 def test_measured_recall_sees_a_result_that_misses(spark, tmp_path):

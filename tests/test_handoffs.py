@@ -13,10 +13,13 @@ from pipeline_core.handoffs import (
     DataReportInfo,
     EnrichedInfo,
     FileEntry,
+    FilterReports,
     FilterSourceSplits,
     ReportRef,
     RowsPerSplit,
+    SourcesSummary,
     StageCounts,
+    TrainReadyBasics,
     TrainReadySplits,
     UnbalancedCounts,
 )
@@ -223,10 +226,73 @@ def test_the_run_summary_s_sources_are_stored_as_json_and_read_back(tmp_path):
                           counts=StageCounts(rows_in=8, rows_out=5, rejected={"bad": 2, "x": 1}))
     tr = publish_artifact(tmp_path / "p", uris.qualify(tmp_path / "tr"), kind="train-ready", extra=TRAIN_READY_EXTRA,
                           counts=StageCounts(rows_in=5, rows_out=3, rejected={"too_long": 2}))
-    stored = json.loads(json.dumps(_sources(SimpleNamespace(enriched_uri=en.uri, train_ready_uri=tr.uri), None)))
+    stored = json.loads(json.dumps(_sources(SimpleNamespace(enriched_uri=en.uri, train_ready_uri=tr.uri), None).to_summary()))
     assert stored["prompt_sources"] == ENRICHED_EXTRA["prompt_sources"]
     assert stored["splits"]["chat"] == {"in": 7, "rejected": {"enrich:bad": 2, "filter:too_long": 2}, "kept": 5,
                                         "measured": 7, "fit_with": 6, "fit_without": 7}
-    lines = _fmt_sources(stored)
+    lines = _fmt_sources(SourcesSummary.read(stored))
     assert "  prompts c/d: 0 restored, 2 unrestorable <- not configured (enrich.prompt_sources['c/d'])" in lines
     assert any(line.startswith("  split   chat: in 7, kept 5; fit seq_len 6 with reasoning") for line in lines)
+
+
+def _summary(promotion) -> dict:
+    return {"dataset_version": "v", "run_id": "r", "objective": "dpo", "source_uri": "file:///s",
+            "enrich": {"uri": "file:///e", "counts": {"in": 3, "out": 2, "rejected": {"x": 1}}},
+            "filter": {"uri": "file:///f", "committed": False, "counts": None},
+            "model": {"uri": "file:///m", "files": 2, "bytes": 10}, "promotion": promotion}
+
+
+def test_the_run_summary_reads_its_decision_as_the_gate_s_model():
+    """pipeline_summary.json / the publish XCom: the promotion comes back typed (DPO or SFT), the stage
+    counts as StageCounts, and the model writes the same JSON back."""
+    from pipeline_core.run_records import RunSummary
+
+    dpo = DPOPromotion(promoted=True, reason="r", candidate_uri="c", current_uri=None, val_uri="v", order_key="k",
+                       forced=False, reward_accuracy=0.6, reward_margin=0.1, current_reward_accuracy=None,
+                       current_reward_margin=None, reference_uri=None)
+    s = RunSummary.read(json.loads(json.dumps(_summary(dpo.to_dict()))))
+    assert isinstance(s.promotion, DPOPromotion) and s.promotion == dpo and s.promotion.promoted
+    assert s.enrich.stage_counts == StageCounts(rows_in=3, rows_out=2, rejected={"x": 1}) and s.filter.counts is None
+    assert RunSummary.read(json.loads(json.dumps(s.to_json_dict()))) == s
+    assert s.to_json_dict()["enrich"]["counts"] == {"in": 3, "out": 2, "rejected": {"x": 1}}  # the manifest's keys
+    assert RunSummary.read(_summary(None)).promotion is None
+    sources = {"prompt_sources": {"c/d": {"config_key": "k", "restored": 1}}}  # stored as counted: no empty keys
+    assert RunSummary.read({**_summary(None), "sources": sources}).to_json_dict()["sources"] == sources
+    with pytest.raises(ValidationError):  # a partial decision is refused, not half-read
+        RunSummary.read(_summary({"promoted": True, "reason": "r"}))
+
+
+def _near_dup_report():
+    from spark_jobs.near_dups.dedup_types import NearDupReport, RecallEstimate, SavedPair
+
+    return NearDupReport(method="cluster", rows=40, threshold=0.95, parameters={"cluster_size": 2000, "probes": 2},
+                         measured=RecallEstimate(20, 5, 5, 1.0, 0.5655, 1.0), clusters=1, largest_cluster=40,
+                         mean_cluster=40.0, split_clusters=0, assignment_agreement=1, warnings=("w",),
+                         guard_saved_pairs=1, guard_saved_rows=1, guard_saved_by_split={"train": 1},
+                         guard_saved_examples=(SavedPair("train", "b", "a", 0.97),), dropped_by_split={"val": 2})
+
+
+def test_the_near_duplicate_report_is_written_as_the_dataclass_was():
+    """extra.near_duplicates through FilterReports: the same JSON as the dataclass's own (asdict) form,
+    an int stays an int; the data report reads the guard's numbers back typed."""
+    from dataclasses import asdict
+
+    r = _near_dup_report()
+    before = {**asdict(r), "warnings": list(r.warnings), "guard_saved_examples": [asdict(p) for p in r.guard_saved_examples]}
+    extra = FilterReports(near_duplicates=r.as_manifest()).to_extra()
+    assert list(extra) == ["near_duplicates"]  # only what the writer set
+    assert json.dumps(extra["near_duplicates"], sort_keys=True) == json.dumps(before, sort_keys=True)
+    back = FilterReports.from_manifest(_manifest(json.loads(json.dumps(extra)))).near_duplicates
+    assert back.guard_saved_examples[0].other_id == "a" and back.measured.low_95 == 0.5655
+    assert FilterReports.from_manifest(_manifest({"near_duplicates": None})).near_duplicates is None
+
+
+def test_length_fit_and_the_pre_train_ready_info_keys_read_through_models():
+    lf = {"seq_len": 64, "overflow": "reject", "with_reasoning": False,
+          "splits": {"math": {"rendered": 5, "fit": 4, "fit_without_reasoning": 5, "reasoning_dropped": 0, "kept": 4}}}
+    m = _manifest({"length_fit": lf, "seq_len": 64, "tokenizer": {"spec": "mistral-v1"}, "packing_efficiency": 0.5})
+    fit = FilterReports.from_manifest(m).length_fit
+    assert fit.splits["math"].fit == 4 and FilterReports(length_fit=fit).to_extra() == {"length_fit": lf}
+    old = TrainReadyBasics.from_manifest(m)
+    assert (old.seq_len, old.tokenizer.spec, old.packing_efficiency) == (64, "mistral-v1", 0.5)
+    assert TrainReadyBasics.from_manifest(_manifest({})).tokenizer is None

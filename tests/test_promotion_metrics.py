@@ -97,6 +97,9 @@ def test_val_loss_rule_is_unchanged_by_default(store):
 
 
 def test_summary_shows_scores_decontamination_and_the_metric_decision():
+    import json
+
+    from pipeline_core.run_records import Promotion, RunSummary
     from plugins.mft_airflow.summary import format_summary
 
     counts = {"in": 10, "out": 7, "rejected": {"contaminated": 3}}
@@ -107,11 +110,15 @@ def test_summary_shows_scores_decontamination_and_the_metric_decision():
                  {"name": "tiny_qa", "uri": "file:///q.jsonl", "sha256": "ab" * 32, "files": 1, "documents": 16,
                   "documents_too_short": 0, "rows_removed": 3}]}},
          "train": {"run_uri": "file:///r"}, "model": {"uri": "file:///r/model", "files": 3, "bytes": 2e6},
-         "eval": {"uri": "file:///r/eval", "tasks": [{"task": "tiny_qa", "num_fewshot": 0, "samples": 16, "metrics": {
-             "acc,none": {"value": 0.25, "stderr": 0.11}}}]},
-         "promotion": {"promoted": False, "promote_on": "metrics", "candidate_val_loss": 9.1, "current_val_loss": 9.0,
-                       "reason": "tiny_qa/acc 0.2500 vs 0.7500 (min_delta 0.05): worse by 0.5000"}}
-    text = format_summary(s)
+         "eval": {"uri": "file:///r/eval", "model_uri": "file:///r/model", "model_manifest_sha256": "cd" * 32,
+                  "harness_version": "0.4", "tasks": [{"task": "tiny_qa", "num_fewshot": 0, "samples": 16, "metrics": {
+                      "acc,none": {"value": 0.25, "stderr": 0.11}}}]},
+         "promotion": Promotion(
+             promoted=False, promote_on="metrics", candidate_val_loss=9.1, current_val_loss=9.0,
+             reason="tiny_qa/acc 0.2500 vs 0.7500 (min_delta 0.05): worse by 0.5000", candidate_uri="file:///r/model",
+             current_uri="file:///old/model", val_uri="file:///f", order_key="0" * 20, forced=False, tolerance=0.0,
+             val_rows=4, val_target_tokens=40).to_dict()}
+    text = format_summary(RunSummary.read(json.loads(json.dumps(s))))  # as stored in pipeline_summary.json
     assert "decontaminated (13-grams) against tiny_qa (16 docs, sha256 abababababab): 3 removed" in text
     assert "eval    tiny_qa (0-shot, 16 samples): acc 0.2500 ± 0.1100" in text
     assert "NOT promoted on benchmark scores" in text and "tiny_qa/acc 0.2500 vs 0.7500" in text

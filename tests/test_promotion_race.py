@@ -53,7 +53,7 @@ def _race(s3_server, plans: dict[str, RunPlan], gate: ReleaseSection, dpo: DPOSe
     at its first summary write, before its move; meanwhile the backfill (key 2) publishes. Returns
     (the backfill's promotion, the nightly's final promotion)."""
     storage = s3_server.storage
-    assert publish_model(plans["old"], storage, _key(1), gate, dpo=dpo)["promotion"]["promoted"]
+    assert publish_model(plans["old"], storage, _key(1), gate, dpo=dpo).promotion.promoted
     hold = threading.Event()
     with FaultProxy(s3_server.endpoint, fail_first=1, methods=("PUT",), path_contains="/runs/nightly/pipeline_summary",
                     hold=hold) as proxy:
@@ -65,10 +65,10 @@ def _race(s3_server, plans: dict[str, RunPlan], gate: ReleaseSection, dpo: DPOSe
         while proxy.held == 0 and nightly.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert proxy.held == 1, "the nightly never reached its summary write"
-        back = publish_model(plans["backfill"], storage, _key(2), gate, dpo=dpo)["promotion"]
+        back = publish_model(plans["backfill"], storage, _key(2), gate, dpo=dpo).promotion.to_dict()
         hold.set()
         nightly.join(600)
-    return back, out["s"]["promotion"]
+    return back, out["s"].promotion.to_dict()
 
 
 def test_a_backfill_promoted_between_compare_and_apply_makes_the_nightly_evaluate_again(
@@ -126,7 +126,7 @@ def test_a_mirror_left_behind_by_a_failed_publisher_converges_on_the_next_publis
     assert read_pointer(models_uri, storage).target == plans["second"].model_uri
     assert read_latest(models_uri, storage) == plans["first"].model_uri  # the mirror points backwards
     # an older run publishes next: it does not move the pointer, and the mirror is repaired anyway
-    late = publish_model(plans["late"], storage, _key(2), gate)["promotion"]
+    late = publish_model(plans["late"], storage, _key(2), gate).promotion.to_dict()
     assert not late["promoted"] and "only moves forward" in late["reason"]
     assert read_latest(models_uri, storage) == plans["second"].model_uri == read_pointer(models_uri, storage).target
 

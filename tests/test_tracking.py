@@ -198,7 +198,7 @@ def test_eval_scores_and_manifests_are_logged_at_publish(mlflow_server, tmp_path
     from datetime import UTC, datetime
 
     s = publish_model(plan, None, order_key_from_date(datetime(2026, 1, 1, tzinfo=UTC)), cfg.release, cfg.tracking)
-    assert s["promotion"]["promoted"]
+    assert s.promotion.promoted
     client = _client(mlflow_server.uri)
     run = _run_of(client, "pub1")
     assert run.data.metrics["eval/tiny_qa/acc_none"] == pytest.approx(0.375)
@@ -240,7 +240,7 @@ def test_a_stopped_server_leaves_training_and_publish_unaffected(tmp_path, local
     publish_artifact(tiny_models(tmp_path / "models")["good"], plan.model_uri, kind="model",
                      inputs=[plan.train_ready_uri])
     s = publish_model(plan, None, order_key_from_date(datetime(2026, 1, 1, tzinfo=UTC)), cfg.release, cfg.tracking)
-    assert s["promotion"]["promoted"] and read_pointer(plan.models_uri).target == plan.model_uri
+    assert s.promotion.promoted and read_pointer(plan.models_uri).target == plan.model_uri
     gave_up = [r.getMessage() for r in caplog.records if "giving up" in r.getMessage()]
     assert gave_up and all(uri in m for m in gave_up), json.dumps([r.getMessage() for r in caplog.records])[-2000:]
 

@@ -174,7 +174,7 @@ class DockerTrainOperator(_TrainStage, DockerOperator):
                     self.log.info("the adopted container of a previous attempt committed the model")
             finally:
                 self._remove_secret()
-        return self._finish(context, reused=not launched).model_dump()
+        return self._finish(context, reused=not launched).to_json_dict()
 
     def _remove_secret(self) -> None:
         if self._secret_file is not None:
@@ -347,7 +347,7 @@ class KubernetesTrainOperator(_TrainStage, KubernetesJobOperator):
 
     def execute(self, context: Any) -> Any:
         if self._begin_training(context):
-            return self._finish(context, reused=True).model_dump()
+            return self._finish(context, reused=True).to_json_dict()
         cfg = self._config()
         self.prepare(cfg)
         from kubernetes.client import models as k8s
@@ -356,12 +356,12 @@ class KubernetesTrainOperator(_TrainStage, KubernetesJobOperator):
         if self.prefetch_base:
             prefetch_base_model(cfg, self.log)
         super().execute(context)  # defers: the triggerer waits for the Job; execute_complete resumes
-        return self._finish(context, reused=False).model_dump()
+        return self._finish(context, reused=False).to_json_dict()
 
     def execute_complete(self, context: Any, event: dict, **kwargs: Any) -> Any:
         super().execute_complete(context, event, **kwargs)
         self._begin(context)
-        return self._finish(context, reused=False).model_dump()
+        return self._finish(context, reused=False).to_json_dict()
 
 
 # ------------------------------------------------------------------------------------- benchmarks

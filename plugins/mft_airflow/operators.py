@@ -87,7 +87,7 @@ class SparkStageOperator(_PlanStage, SparkSubmitOperator):
         else:
             self.log.info("%s: artifact %s is already committed; nothing to do", self.stage,
                           getattr(plan, self.output_field))
-        return self._finish(context, reused=committed is not None).model_dump()
+        return self._finish(context, reused=committed is not None).to_json_dict()
 
 
 # --------------------------------------------------------------------------------------- training
@@ -125,7 +125,7 @@ class TrainOperator(_TrainStage, BaseOperator):
         if not self._begin_training(context):
             self._hook = self.build_hook(context)
             self._hook.run()
-        return self._finish(context, reused=self._hook is None).model_dump()
+        return self._finish(context, reused=self._hook is None).to_json_dict()
 
     def on_kill(self) -> None:
         if self._hook is not None:

@@ -13,8 +13,9 @@ from typing import Any
 from airflow.sdk import Asset, AssetAlias
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from airflow.sdk.serde import allow_class
-from pydantic import BaseModel, ConfigDict
+from pydantic import Field, field_validator
 
+from pipeline_core.handoffs import Counts, Handoff, read_counts
 from pipeline_core.names import Stage
 from plugins.mft_airflow.run_plan import RunPlan
 
@@ -23,16 +24,20 @@ PLAN_TASK_ID = "resolve"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class StageResult(BaseModel):
-    """What a stage task returns (XCom): the artifact it committed or reused."""
-
-    model_config = ConfigDict(frozen=True)
+class StageResult(Handoff):
+    """What a stage task returns (XCom): the artifact it committed or reused. The XCom holds
+    `to_json_dict()` (the counts with their manifest keys, JSON-serialisable); read it back with `read`."""
 
     uri: str
     kind: str
-    counts: dict[str, Any]
+    counts: Counts | None = Field(description="the manifest's counts; None for a count-less artifact")
     reused: bool
     manifest_sha256: str
+
+    @field_validator("counts", mode="before")
+    @classmethod
+    def _typed_counts(cls, v: Any) -> Counts | None:
+        return read_counts(v)
 
 
 allow_class(RunPlan)
@@ -112,7 +117,7 @@ class _PlanStage:
                 context["outlet_events"][outlet].add(
                     Asset(name=f"{outlet.name}/{plan.dataset_version}/{uri.rsplit('/', 1)[1]}", uri=uri),
                     extra=asset_extra(plan, manifest, reused))
-        return StageResult(uri=uri, kind=manifest.kind, counts=manifest.counts, reused=reused,
+        return StageResult(uri=uri, kind=manifest.kind, counts=read_counts(manifest.counts), reused=reused,
                            manifest_sha256=manifest.sha256)
 
     def get_openlineage_facets_on_complete(self, task_instance: Any) -> Any:
@@ -179,5 +184,5 @@ class _EvalStage(_TrainStage):
 
     def _finish(self, context: Any, reused: bool) -> StageResult:
         if self._no_tasks:
-            return StageResult(uri=self._plan.eval_uri, kind="none", counts={}, reused=False, manifest_sha256="")
+            return StageResult(uri=self._plan.eval_uri, kind="none", counts=None, reused=False, manifest_sha256="")
         return super()._finish(context, reused)

@@ -23,9 +23,32 @@ from pipeline_core.artifacts import (
     require_manifest,
 )
 from pipeline_core.config import DPOSettings, ReleaseSection, StorageSection, TrackingSection, load_config
-from pipeline_core.handoffs import EnrichedInfo, FileEntry, SourcesSummary, StageCounts
+from pipeline_core.handoffs import (
+    DecontamInfo,
+    EnrichedInfo,
+    FileEntry,
+    SourcesSummary,
+    StageCounts,
+    TrainReadyInfo,
+)
 from pipeline_core.pointers import read_pointer
-from pipeline_core.run_records import EvalMetrics, M, RunReportInfo, StepMetrics, read_rows
+from pipeline_core.run_records import (
+    DPOCurves,
+    DPOPoint,
+    DPOPromotion,
+    EvalMetrics,
+    EvalSummary,
+    FilterSummary,
+    M,
+    ModelSummary,
+    Promotion,
+    RunReportInfo,
+    RunSummary,
+    StageSummary,
+    StepMetrics,
+    TrainSummary,
+    read_rows,
+)
 from pipeline_core.store import open_store
 from plugins.mft_airflow.run_plan import RunPlan
 
@@ -33,11 +56,12 @@ SUMMARY = "pipeline_summary.json"
 
 
 def _losses(report_uri: str, storage: StorageSection | None) -> dict[str, Any]:
-    """Loss at start/end from the run's report (metrics.csv), plus the report's own figures."""
+    """Loss at start/end from the run's report (metrics.csv), plus the report's own figures
+    (`TrainSummary`'s fields, less `run_uri`)."""
     report = read_manifest(report_uri, storage)
     if report is None:
         return {}
-    out: dict[str, Any] = RunReportInfo.from_manifest(report).model_dump(mode="json", exclude_none=True)
+    out: dict[str, Any] = dict(RunReportInfo.from_manifest(report))
 
     def table(name: str, model: type[M]) -> list[M]:
         path = next((p for p in report.file_paths() if p.endswith(name)), None)
@@ -53,27 +77,27 @@ def _losses(report_uri: str, storage: StorageSection | None) -> dict[str, Any]:
     return out
 
 
-def _dpo_curves(steps: list[StepMetrics], evals: list[EvalMetrics]) -> dict[str, Any]:
+def _dpo_curves(steps: list[StepMetrics], evals: list[EvalMetrics]) -> DPOCurves:
     """objective dpo: the train metrics at the first step, at each validation step and at the last step
     (each over that step's pairs), and every validation (over the val pairs); `pairs` per row."""
-    def row(step: int, pairs: int | None, loss: float | None, *rewards: float | None) -> dict[str, Any]:
-        return {"step": step, "pairs": pairs, "loss": loss,
-                **dict(zip(("reward_accuracy", "chosen_reward", "rejected_reward", "reward_margin"), rewards, strict=True))}
-
     at = {r.step for r in evals} | {steps[0].step, steps[-1].step}
-    return {"train": [row(r.step, r.pairs, r.dpo_loss, r.reward_accuracy, r.chosen_reward, r.rejected_reward,
-                          r.reward_margin) for r in steps if r.step in at],
-            "val": [row(r.step, r.eval_pairs, r.eval_dpo_loss, r.eval_reward_accuracy, r.eval_chosen_reward,
-                        r.eval_rejected_reward, r.eval_reward_margin) for r in evals]}
+    return DPOCurves(
+        train=tuple(DPOPoint(step=r.step, pairs=r.pairs, loss=r.dpo_loss, reward_accuracy=r.reward_accuracy,
+                             chosen_reward=r.chosen_reward, rejected_reward=r.rejected_reward,
+                             reward_margin=r.reward_margin) for r in steps if r.step in at),
+        val=tuple(DPOPoint(step=r.step, pairs=r.eval_pairs, loss=r.eval_dpo_loss, reward_accuracy=r.eval_reward_accuracy,
+                           chosen_reward=r.eval_chosen_reward, rejected_reward=r.eval_rejected_reward,
+                           reward_margin=r.eval_reward_margin) for r in evals))
 
 
-def _stage(uri: str, storage: StorageSection | None) -> dict[str, Any]:
+def _stage(uri: str, storage: StorageSection | None, model: type[StageSummary] = StageSummary,
+           **more: Any) -> StageSummary:
     m = read_manifest(uri, storage)
-    return {"uri": uri, "committed": m is not None, "counts": m.counts if m else None,
-            "timings": m.timings if m else None}
+    return model(uri=uri, committed=m is not None, counts=m.counts if m else None,
+                 timings=m.timings if m else None, **more)
 
 
-def _sources(plan: RunPlan, storage: StorageSection | None) -> dict[str, Any] | None:
+def _sources(plan: RunPlan, storage: StorageSection | None) -> SourcesSummary | None:
     """Per input split (rows in, rejects, conversations that fit seq_len with/without reasoning) and the
     withheld prompts restored / unrestorable per seed source (docs/data-sources.md)."""
     from reports.facts import source_split_rows
@@ -82,13 +106,13 @@ def _sources(plan: RunPlan, storage: StorageSection | None) -> dict[str, Any] | 
     if en is None or tr is None:
         return None
     return SourcesSummary(splits=source_split_rows(en, tr),
-                          prompt_sources=EnrichedInfo.from_manifest(en).prompt_sources).to_summary()
+                          prompt_sources=EnrichedInfo.from_manifest(en).prompt_sources)
 
 
-def _fmt_sources(stored: dict[str, Any] | None) -> list[str]:
-    if not stored:
+def _fmt_sources(s: SourcesSummary | None) -> list[str]:
+    if s is None:
         return []
-    s, lines = SourcesSummary.read(stored), []
+    lines = []
     for name, c in sorted(s.prompt_sources.items()):
         where = c.uri or f"not configured ({c.config_key})"
         lines.append(f"  prompts {name}: {c.restored} restored, {c.unrestorable} unrestorable <- {where}")
@@ -100,26 +124,23 @@ def _fmt_sources(stored: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _decontamination(train_ready_uri: str, storage: StorageSection | None) -> dict[str, Any] | None:
-
-    from pipeline_core.handoffs import TrainReadyInfo
-
+def _decontamination(train_ready_uri: str, storage: StorageSection | None) -> DecontamInfo | None:
     m = read_manifest(train_ready_uri, storage)
     info = TrainReadyInfo.of(m) if m is not None else None
-    return None if info is None or info.decontamination is None else info.decontamination.model_dump(mode="json")
+    return None if info is None else info.decontamination
 
 
-def _benchmarks(run_uri: str, storage: StorageSection | None) -> dict[str, Any] | None:
+def _benchmarks(run_uri: str, storage: StorageSection | None) -> EvalSummary | None:
     """The run's committed benchmark scores (runs/<run>/eval), if it has any."""
     from training.benchmarks import read_results
 
     res = read_results(layout.eval_uri(run_uri), storage)
-    return None if res is None else {"uri": layout.eval_uri(run_uri), **res.to_extra()}
+    return None if res is None else EvalSummary(uri=layout.eval_uri(run_uri), **dict(res))
 
 
 def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
                   release: ReleaseSection | None = None, tracking: TrackingSection | None = None,
-                  dpo: DPOSettings | None = None) -> dict[str, Any]:
+                  dpo: DPOSettings | None = None) -> RunSummary:
     """Verify, evaluate, write the summary, then move `models/LATEST` (DPO: `models/dpo/LATEST`) if the
     gate allows it. With `tracking.mlflow_uri`, the run's MLflow run gets the manifests, the eval
     scores and the decision, and a promoted model is registered (training/tracking.py; failures
@@ -135,27 +156,28 @@ def publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str,
 
 
 def _publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str, release: ReleaseSection,
-                   tracker: Any, dpo: DPOSettings | None) -> dict[str, Any]:
+                   tracker: Any, dpo: DPOSettings | None) -> RunSummary:
     from training.benchmarks import read_results
 
     model = require_manifest(plan.model_uri, storage)
     if model.kind != "model":
         raise ArtifactError(f"{plan.model_uri} is a {model.kind!r} artifact, not a model")
     model_files = FileEntry.all_of(model)
-    summary = {
-        "dataset_version": plan.dataset_version,
-        "run_id": plan.run_id,
-        "objective": plan.objective,
-        "source_uri": plan.source_uri,
-        "enrich": _stage(plan.enriched_uri, storage),
-        "filter": {**_stage(plan.train_ready_uri, storage), "decontamination": _decontamination(plan.train_ready_uri, storage)},
-        "data_report": data_report_link(plan, storage),
-        "sources": _sources(plan, storage),
-        "train": {"run_uri": plan.run_uri, **_losses(layout.report_uri(plan.run_uri), storage)},
-        "model": {"uri": plan.model_uri, "files": len(model_files),
-                  "bytes": sum(f.size for f in model_files), "manifest_sha256": model.sha256},
-        "eval": _benchmarks(plan.run_uri, storage),
-    }
+    summary = RunSummary(
+        dataset_version=plan.dataset_version,
+        run_id=plan.run_id,
+        objective=plan.objective,
+        source_uri=plan.source_uri,
+        enrich=_stage(plan.enriched_uri, storage),
+        filter=_stage(plan.train_ready_uri, storage, FilterSummary,
+                      decontamination=_decontamination(plan.train_ready_uri, storage)),
+        data_report=data_report_link(plan, storage),
+        sources=_sources(plan, storage),
+        train=TrainSummary(run_uri=plan.run_uri, **_losses(layout.report_uri(plan.run_uri), storage)),
+        model=ModelSummary(uri=plan.model_uri, files=len(model_files), bytes=sum(f.size for f in model_files),
+                           manifest_sha256=model.sha256),
+        eval=_benchmarks(plan.run_uri, storage),
+    )
     if tracker is not None:
         for role, uri in (("enriched", plan.enriched_uri), ("train_ready", plan.train_ready_uri)):
             if (m := read_manifest(uri, storage)) is not None:
@@ -163,8 +185,9 @@ def _publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str
         if (scores := read_results(layout.eval_uri(plan.run_uri), storage)) is not None:
             tracker.log_benchmarks(scores)
 
-    def store_decision(decision: Any) -> None:  # before LATEST can name this run (again after a lost race)
-        summary["promotion"] = decision.to_dict()
+    def store_decision(decision: Promotion | DPOPromotion) -> None:  # before LATEST can name this run (again after a lost race)
+        nonlocal summary
+        summary = summary.model_copy(update={"promotion": decision})
         _write_summary(plan.run_uri, summary, storage)
 
     if plan.objective == "dpo":  # gated on the run's val reward accuracy and margin (training/dpo_promote.py)
@@ -177,15 +200,14 @@ def _publish_model(plan: RunPlan, storage: StorageSection | None, order_key: str
 
         final = promote(plan.model_uri, plan.train_ready_uri, plan.models_uri, order_key, release, storage,
                         run_id=plan.run_id, on_decision=store_decision, tracker=tracker)
-    if final.to_dict() != summary["promotion"]:
+    if final != summary.promotion:
         store_decision(final)
-    summary["latest"] = uris.join(plan.models_uri, "LATEST")
-    return summary
+    return summary.model_copy(update={"latest": uris.join(plan.models_uri, "LATEST")})
 
 
-def _write_summary(run_uri: str, summary: dict[str, Any], storage: StorageSection | None) -> None:
+def _write_summary(run_uri: str, summary: RunSummary, storage: StorageSection | None) -> None:
     store, key = open_store(run_uri, storage)
-    store.put_bytes(f"{key.rstrip('/')}/{SUMMARY}", json.dumps(summary, indent=2, sort_keys=True).encode())
+    store.put_bytes(f"{key.rstrip('/')}/{SUMMARY}", json.dumps(summary.to_json_dict(), indent=2, sort_keys=True).encode())
 
 
 def data_report_link(plan: RunPlan, storage: StorageSection | None) -> str | None:
@@ -196,129 +218,125 @@ def data_report_link(plan: RunPlan, storage: StorageSection | None) -> str | Non
     return report_page_uri(m) if m is not None else None
 
 
-def latest_summary(store_uri: str, storage: StorageSection | None, objective: str = "sft") -> dict[str, Any]:
+def latest_summary(store_uri: str, storage: StorageSection | None, objective: str = "sft") -> RunSummary:
     models = uris.join(store_uri, "models", *(["dpo"] if objective == "dpo" else []))
     pointer = read_pointer(models, storage)
     target = pointer.target if pointer else read_latest(models, storage)  # stores from before LATEST.d
     if target is None:
         raise ArtifactError(f"no published model: {models}/LATEST does not exist")
     store, key = open_store(uris.parent(target), storage)
-    summary = json.loads(store.get_bytes(f"{key.rstrip('/')}/{SUMMARY}"))
-    summary["latest"] = uris.join(models, "LATEST")
-    return summary
+    summary = RunSummary.read(json.loads(store.get_bytes(f"{key.rstrip('/')}/{SUMMARY}")))
+    return summary.model_copy(update={"latest": uris.join(models, "LATEST")})
 
 
-def newest_summary(store_uri: str, storage: StorageSection | None, objective: str = "sft") -> dict[str, Any]:
+def newest_summary(store_uri: str, storage: StorageSection | None, objective: str = "sft") -> RunSummary:
     """The newest published run of an objective, promoted or not (its promotion order key decides)."""
     store, key = open_store(uris.join(store_uri, "runs"), storage)
     found = []
     for info in store.list(key.rstrip("/") + "/"):
         if info.key.endswith(f"/{SUMMARY}"):
-            s = json.loads(store.get_bytes(info.key))
-            if s.get("objective", "sft") == objective and s.get("promotion"):
-                found.append((s["promotion"]["order_key"], s))
+            s = RunSummary.read(json.loads(store.get_bytes(info.key)))
+            if s.objective == objective and s.promotion is not None:
+                found.append((s.promotion.order_key, s))
     if not found:
         raise ArtifactError(f"no published {objective} run under {store_uri}/runs")
     summary = max(found, key=lambda f: f[0])[1]
-    summary["latest"] = uris.join(store_uri, "models", *(["dpo"] if objective == "dpo" else []), "LATEST")
-    return summary
+    return summary.model_copy(update={
+        "latest": uris.join(store_uri, "models", *(["dpo"] if objective == "dpo" else []), "LATEST")})
 
 
-def _fmt_counts(counts: dict[str, Any] | None) -> str:
-    """A stage's manifest counts as the summary stored them (StageCounts' on-disk form)."""
-    if not counts:
+def _fmt_counts(c: StageCounts | None) -> str:
+    if c is None:
         return "(no counts)"
-    c = StageCounts.read(counts)
     rej = ", ".join(f"{k}={v}" for k, v in sorted(c.rejected.items())) or "none"
     return f"rows in={c.rows_in} out={c.rows_out}  rejected: {rej}"
 
 
-def _fmt_promotion(p: dict[str, Any] | None) -> list[str]:
-    if not p:
+def _fmt_promotion(p: Promotion | DPOPromotion | None) -> list[str]:
+    if p is None:
         return []
-    if "reward_accuracy" in p:  # a DPO decision (training/dpo_promote.DPOPromotion)
-        verdict = "PROMOTED" if p["promoted"] else "NOT promoted"
-        return [f"  promote {verdict} to models/dpo/LATEST: {p['reason']}"]
-    cur = "none" if p["current_val_loss"] is None else f"{p['current_val_loss']:.4f}"
-    verdict = "PROMOTED" if p["promoted"] else "NOT promoted"
-    if p.get("promote_on") == "metrics":
-        return [f"  promote {verdict} on benchmark scores (val loss {p['candidate_val_loss']:.4f} vs {cur}); {p['reason']}"]
-    return [f"  promote {verdict}: val loss {p['candidate_val_loss']:.4f} vs current LATEST {cur} "
-            f"({p['val_rows']} val rows, {p['val_target_tokens']} target tokens); {p['reason']}"]
+    verdict = "PROMOTED" if p.promoted else "NOT promoted"
+    if isinstance(p, DPOPromotion):
+        return [f"  promote {verdict} to models/dpo/LATEST: {p.reason}"]
+    cur = "none" if p.current_val_loss is None else f"{p.current_val_loss:.4f}"
+    if p.promote_on == "metrics":
+        return [f"  promote {verdict} on benchmark scores (val loss {p.candidate_val_loss:.4f} vs {cur}); {p.reason}"]
+    return [f"  promote {verdict}: val loss {p.candidate_val_loss:.4f} vs current LATEST {cur} "
+            f"({p.val_rows} val rows, {p.val_target_tokens} target tokens); {p.reason}"]
 
 
-def _fmt_decontamination(d: dict[str, Any] | None) -> list[str]:
-    if not d:
+def _fmt_decontamination(d: DecontamInfo | None) -> list[str]:
+    if d is None:
         return []
-    sets = ", ".join(f"{e['name']} ({e['documents']} docs, sha256 {e['sha256'][:12]}): {e['rows_removed']} removed"
-                     for e in d["eval_sets"])
-    return [f"          decontaminated ({d['ngram']}-grams) against {sets}"]
+    sets = ", ".join(f"{e.name} ({e.documents} docs, sha256 {e.sha256[:12]}): {e.rows_removed} removed"
+                     for e in d.eval_sets)
+    return [f"          decontaminated ({d.ngram}-grams) against {sets}"]
 
 
-def _fmt_dpo(d: dict[str, Any] | None) -> list[str]:
+def _fmt_dpo(d: DPOCurves | None) -> list[str]:
     """objective dpo: train and val pair metrics side by side at each validation step (docs/dpo.md, "Metrics")."""
-    if not d:
+    if d is None:
         return []
 
-    def cols(r: dict[str, Any] | None) -> str:
+    def cols(r: DPOPoint | None) -> str:
         if r is None:
             return " " * 42
-        return (f"{r['loss']:>7.4f} {r['reward_accuracy']:>5.2f} {r['chosen_reward']:>8.4f} {r['rejected_reward']:>8.4f} "
-                f"{r['reward_margin']:>8.4f}")
+        return (f"{r.loss:>7.4f} {r.reward_accuracy:>5.2f} {r.chosen_reward:>8.4f} {r.rejected_reward:>8.4f} "
+                f"{r.reward_margin:>8.4f}")
 
-    train, val = {r["step"]: r for r in d["train"]}, {r["step"]: r for r in d["val"]}
+    train, val = {r.step: r for r in d.train}, {r.step: r for r in d.val}
     head = "   loss   acc   chosen rejected   margin"
     lines = [f"  dpo      step | train (the step's pairs){' ' * 17}| val (every val pair)",
              f"                | {head} | {head}",
              *(f"          {step:>5} | {cols(train.get(step))} | {cols(val.get(step))}".rstrip()
                for step in sorted(train.keys() | val.keys()))]
-    if d["val"]:
-        first, last = d["val"][0], d["val"][-1]
+    if d.val:
+        first, last = d.val[0], d.val[-1]
         lines.append(f"          val reward accuracy: 0 before training (the policy is the reference: every reward 0, "
-                     f"loss log 2 = 0.6931), {first['reward_accuracy']:.3f} at step {first['step']}, "
-                     f"{last['reward_accuracy']:.3f} at step {last['step']} ({last['pairs']} pairs); "
-                     f"margin {first['reward_margin']:.4f} -> {last['reward_margin']:.4f}, "
-                     f"loss {first['loss']:.4f} -> {last['loss']:.4f}")
+                     f"loss log 2 = 0.6931), {first.reward_accuracy:.3f} at step {first.step}, "
+                     f"{last.reward_accuracy:.3f} at step {last.step} ({last.pairs} pairs); "
+                     f"margin {first.reward_margin:.4f} -> {last.reward_margin:.4f}, "
+                     f"loss {first.loss:.4f} -> {last.loss:.4f}")
     else:
         lines.append("          (no validation: train.eval_batches 0 or no val split)")
     return lines
 
 
-def _fmt_eval(e: dict[str, Any] | None) -> list[str]:
-    if not e:
+def _fmt_eval(e: EvalSummary | None) -> list[str]:
+    if e is None:
         return ["  eval    (no benchmarks: release.eval_tasks is empty)"]
     lines = []
-    for t in e.get("tasks", []):
-        ms = ", ".join(f"{k.split(',')[0]} {v['value']:.4f}" + (f" ± {v['stderr']:.4f}" if v.get("stderr") is not None else "")
-                       for k, v in sorted(t["metrics"].items()) if v.get("value") is not None)
-        lines.append(f"  eval    {t['task']} ({t['num_fewshot']}-shot, {t['samples']} samples): {ms}")
-    return [*lines, f"          -> {e['uri']}"]
+    for t in e.tasks:
+        ms = ", ".join(f"{k.split(',')[0]} {v.value:.4f}" + (f" ± {v.stderr:.4f}" if v.stderr is not None else "")
+                       for k, v in sorted(t.metrics.items()) if v.value is not None)
+        lines.append(f"  eval    {t.task} ({t.num_fewshot}-shot, {t.samples} samples): {ms}")
+    return [*lines, f"          -> {e.uri}"]
 
 
-def format_summary(s: dict[str, Any]) -> str:
-    t = s.get("train", {})
+def format_summary(s: RunSummary) -> str:
+    t = s.train
 
     def num(v: Any) -> str:
         return f"{v:.4f}" if isinstance(v, float) else str(v)
 
     lines = [
-        f"dataset version {s['dataset_version']}  run {s['run_id']}",
-        f"  source  {s['source_uri']}",
-        f"  enrich  {_fmt_counts(s['enrich']['counts'])}",
-        f"          -> {s['enrich']['uri']}",
-        f"  filter  {_fmt_counts(s['filter']['counts'])}",
-        *_fmt_decontamination(s["filter"].get("decontamination")),
-        f"          -> {s['filter']['uri']}",
-        *_fmt_sources(s.get("sources")),
-        f"  train   loss start {num(t.get('loss_start'))} (step {t.get('first_step')}) -> end {num(t.get('loss_end'))}"
-        f" (step {t.get('last_step')}); val loss {num(t.get('eval_loss'))}, perplexity {num(t.get('eval_perplexity'))}",
-        *_fmt_dpo(t.get("dpo")),
-        f"          -> {t.get('run_uri')}",
-        f"  model   {s['model']['uri']}  ({s['model']['files']} files, {s['model']['bytes'] / 1e6:.1f} MB)",
-        *_fmt_eval(s.get("eval")),
-        *_fmt_promotion(s.get("promotion")),
-        f"  latest  {s.get('latest')}",
-        f"  report  {s.get('data_report') or '(no data report)'}",
+        f"dataset version {s.dataset_version}  run {s.run_id}",
+        f"  source  {s.source_uri}",
+        f"  enrich  {_fmt_counts(s.enrich.stage_counts)}",
+        f"          -> {s.enrich.uri}",
+        f"  filter  {_fmt_counts(s.filter.stage_counts)}",
+        *_fmt_decontamination(s.filter.decontamination),
+        f"          -> {s.filter.uri}",
+        *_fmt_sources(s.sources),
+        f"  train   loss start {num(t.loss_start)} (step {t.first_step}) -> end {num(t.loss_end)}"
+        f" (step {t.last_step}); val loss {num(t.eval_loss)}, perplexity {num(t.eval_perplexity)}",
+        *_fmt_dpo(t.dpo),
+        f"          -> {t.run_uri}",
+        f"  model   {s.model.uri}  ({s.model.files} files, {s.model.bytes / 1e6:.1f} MB)",
+        *_fmt_eval(s.eval),
+        *_fmt_promotion(s.promotion),
+        f"  latest  {s.latest}",
+        f"  report  {s.data_report or '(no data report)'}",
     ]
     return "\n".join(lines)
 
@@ -340,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     except ArtifactError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(s, indent=2) if args.json else format_summary(s))
+    print(json.dumps(s.to_json_dict(), indent=2) if args.json else format_summary(s))
     return 0
 
 

@@ -59,11 +59,10 @@ def publish(plan: RunPlan, **context: Any) -> dict[str, Any]:
     order_key = order_key_from_date(context.get("logical_date") or context["dag_run"].run_after)
     summary = publish_model(plan, cfg.storage, order_key, cfg.release, cfg.tracking, dpo=cfg.train.dpo)
     log.info("\n%s", format_summary(summary))
-    train = summary.get("train", {})
     context["outlet_events"][MODEL_ASSET].extra = {
         "model_uri": plan.model_uri, "run_id": plan.run_id, "dataset_version": plan.dataset_version,
-        "manifest_sha256": summary["model"]["manifest_sha256"], "eval_loss": train.get("eval_loss"),
-        "train_tokens": train.get("tokens"), "latest": summary.get("latest"),
-        "promoted": summary["promotion"]["promoted"], "data_report": summary.get("data_report"),
+        "manifest_sha256": summary.model.manifest_sha256, "eval_loss": summary.train.eval_loss,
+        "train_tokens": summary.train.tokens, "latest": summary.latest,
+        "promoted": summary.promotion is not None and summary.promotion.promoted, "data_report": summary.data_report,
     }
-    return summary
+    return summary.to_json_dict()  # the XCom: RunSummary.read gives the model back

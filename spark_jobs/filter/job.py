@@ -44,7 +44,10 @@ from pipeline_core.handoffs import (
     DecontamInfo,
     EnrichedInfo,
     FileEntry,
+    FilterReports,
     FilterSourceSplits,
+    LengthFit,
+    LengthFitCategory,
     SourceSplit,
     StageCounts,
 )
@@ -185,13 +188,13 @@ def _compute(ctx: StageContext, input_uri: str, in_manifest: Manifest, cfg: Conf
             extra["identity_matches_kept"] = row_stats["identity_matches_kept"]
         # method, parameters and the recall measured on this data (spark_jobs/near_dups/dedup.py)
         near = [r for r in reports if isinstance(r, NearDupReport)]
-        extra["near_duplicates"] = near[0].as_manifest() if near else None
+        extra.update(FilterReports(near_duplicates=near[0].as_manifest() if near else None).to_extra())
         return StageOutput(counts, extra, inputs=(input_uri,))
     finally:
         clean_staging(uris.to_local_path(docs_uri))
 
 
-def split_fit(docs, fcfg) -> tuple[dict[str, Any], FilterSourceSplits]:
+def split_fit(docs, fcfg) -> tuple[LengthFit, FilterSourceSplits]:
     """The per-split length fit, counted once (one aggregation over each record's first document)
     and shown two ways: `length_fit` per record category (issue 29: rendered, fit as rendered, fit
     without reasoning, earlier reasoning dropped, kept) and `source_splits` per input split (issue
@@ -205,7 +208,7 @@ def split_fit(docs, fcfg) -> tuple[dict[str, Any], FilterSourceSplits]:
                  fits("len_with_reasoning").alias("fit_with"), fits("len_without_reasoning").alias("fit_without"),
                  F.sum(F.col("reasoning_dropped").cast("int")).alias("reasoning_dropped"))
             .collect())
-    per_category: dict[str, dict[str, int]] = {}
+    per_category: dict[str, dict[str, int]] = {}  # -> LengthFitCategory
     per_source: dict[str, dict[str, Any]] = {}
     for r in rows:
         v = {k: int(r[k] or 0) for k in ("n", "rendered", "fit", "fit_with", "fit_without", "reasoning_dropped")}
@@ -228,8 +231,8 @@ def split_fit(docs, fcfg) -> tuple[dict[str, Any], FilterSourceSplits]:
         s["measured"] += v["rendered"]
         s["fit_seq_len_with_reasoning"] += v["fit_with"]
         s["fit_seq_len_without_reasoning"] += v["fit_without"]
-    length_fit = {"seq_len": seq_len, "overflow": fcfg.overflow, "with_reasoning": fcfg.train_on_reasoning,
-                  "splits": dict(sorted(per_category.items()))}
+    length_fit = LengthFit(seq_len=seq_len, overflow=fcfg.overflow, with_reasoning=fcfg.train_on_reasoning,
+                           splits={k: LengthFitCategory(**v) for k, v in sorted(per_category.items())})
     return length_fit, FilterSourceSplits(source_splits={k: SourceSplit(**v) for k, v in sorted(per_source.items())})
 
 
@@ -292,7 +295,7 @@ def _pack_and_describe(ctx: StageContext, docs_uri: str, n_in: int, cfg: Config,
         tokenizer_details=tok.identity(), objective=fcfg.objective, decontamination=decon,
         split_rule=f"{SPLIT_RULE} (seed={fcfg.seed}, val_fraction={fcfg.val_fraction}, "
                    f"val_max_documents={fcfg.val_max_documents})")
-    extra["length_fit"] = length_fit
+    extra.update(FilterReports(length_fit=length_fit).to_extra())
     extra.update(source_splits.to_extra())
     if provenance is not None:
         with timer.step("provenance") as info:

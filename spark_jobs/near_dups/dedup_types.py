@@ -1,11 +1,13 @@
 """Typed settings and results of near-duplicate detection (dedup.py, near_dup_clusters.py,
 dedup_recall.py). The filter stage builds `NearDupSettings` from its config section and puts
-`NearDupReport.as_manifest()` into its manifest's `extra.near_duplicates`."""
+`NearDupReport.as_manifest()` into its manifest's `extra.near_duplicates` (`pipeline_core.handoffs.FilterReports`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Literal
+
+from pipeline_core.handoffs import NearDupSummary
 
 Method = Literal["cluster"]  # near_dup_clusters.py (the only method since issue 33)
 Guard = Literal["numbers", "none"]  # near_dup_guard.py
@@ -82,8 +84,5 @@ class NearDupReport:
     guard_saved_examples: tuple[SavedPair, ...] = ()  # a few per split, most similar first
     dropped_by_split: dict[str, int] | None = None  # near duplicates dropped, by the split of their prompt
 
-    def as_manifest(self) -> dict:
-        d = asdict(self)
-        d["warnings"] = list(self.warnings)
-        d["guard_saved_examples"] = [asdict(p) for p in self.guard_saved_examples]
-        return d
+    def as_manifest(self) -> NearDupSummary:
+        return NearDupSummary.read(asdict(self))
