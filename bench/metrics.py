@@ -23,7 +23,7 @@ MISTRAL_7B = ModelShape(
 )
 
 
-def mfu(tokens_per_s_per_gpu: float, shape: ModelShape, seq_len: int, peak: float = H100_H200_BF16_DENSE_FLOPS) -> float:
+def model_mfu(tokens_per_s_per_gpu: float, shape: ModelShape, seq_len: int, peak: float = H100_H200_BF16_DENSE_FLOPS) -> float:
     return mfu_of(tokens_per_s_per_gpu, flops_per_token(shape, seq_len), peak)
 
 
@@ -83,7 +83,7 @@ def throughput_summary(
         "tokens_per_step": tokens_per_step,
         "num_gpus": num_gpus,
         "tokens_per_s_per_gpu": tps_gpu,
-        "mfu": mfu(tps_gpu, shape, seq_len),
+        "mfu": model_mfu(tps_gpu, shape, seq_len),
         "model_tflops_per_gpu": tps_gpu * flops_per_token(shape, seq_len) / 1e12,
     }
     if energy_j and timed_tokens:

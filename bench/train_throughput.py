@@ -367,7 +367,7 @@ class RepeatingBatches:
         return item
 
 
-def write_train_ready(root: Path, *, seq_len: int, rows: int, vocab: int, docs: str, seed: int,
+def random_train_ready(root: Path, *, seq_len: int, rows: int, vocab: int, docs: str, seed: int,
                       objective: str = "sft") -> str:
     """A committed train-ready artifact of random tokens (``docs``: one causal document per row,
     or packed documents), written by the product writer (spark_jobs/filter/train_ready.py), for the
@@ -449,7 +449,7 @@ def setup_trainer(args, device: Device):
     def ready() -> str:
         if args.data:
             return publish_ready_dir(work, Path(args.data))
-        return write_train_ready(work, seq_len=args.seq_len, rows=rows, vocab=base.vocab_size, docs=args.docs,
+        return random_train_ready(work, seq_len=args.seq_len, rows=rows, vocab=base.vocab_size, docs=args.docs,
                                  seed=args.seed, objective=args.objective)
 
     if rank == 0:

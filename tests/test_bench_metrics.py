@@ -8,7 +8,7 @@ from bench.metrics import (
     MISTRAL_7B,
     analytic_bubble,
     bubble_share,
-    mfu,
+    model_mfu,
     throughput_summary,
 )
 
@@ -31,4 +31,4 @@ def test_throughput_summary_uses_the_median_step_and_counts_energy_per_token():
     assert s["step_time_median_s"] == 1.0
     assert s["tokens_per_s_per_gpu"] == 4096 * 8 / 2
     assert s["tokens_per_kj"] == pytest.approx(4096 * 8 * 5 / 10.0)
-    assert s["mfu"] == pytest.approx(mfu(4096 * 4, MISTRAL_7B, 4096))
+    assert s["mfu"] == pytest.approx(model_mfu(4096 * 4, MISTRAL_7B, 4096))
