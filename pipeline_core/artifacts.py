@@ -37,6 +37,7 @@ from pipeline_core.store import (
     sha256_bytes,
     sha256_file,
 )
+from pipeline_core.uris import safe_relpath  # noqa: F401  (re-exported: readers import it from here)
 
 if TYPE_CHECKING:
     from pipeline_core.config import StorageSection
@@ -105,8 +106,7 @@ class Manifest:
         m.sha256 = sha256_bytes(data)
         if m.payload:
             safe_relpath(m.payload, "manifest payload")
-        for f in FileEntry.all_of(m):
-            safe_relpath(f.path, "manifest file path")
+        FileEntry.all_of(m)  # every entry typed: a path that could escape is refused here
         return m
 
     def input_refs(self) -> list[InputRef]:
@@ -125,19 +125,6 @@ class Manifest:
     def object_path(self, path: str) -> str:
         """Where the file `path` (as listed, e.g. data/part-0.parquet) lies under the artifact's prefix."""
         return f"{self.payload}/{path}" if self.payload else path
-
-
-def safe_relpath(path: object, what: str) -> str:
-    """`path` if it is a plain relative '/'-separated path; ValueError otherwise (the store is data)."""
-    if not isinstance(path, str) or not path:
-        raise ValueError(f"{what}: {path!r} is not a non-empty string")
-    segments = path.split("/")
-    if path.startswith("/") or "\\" in path or "\x00" in path or any(s in ("", ".", "..") for s in segments):
-        raise ValueError(
-            f"{what}: {path!r} is absolute or contains '..', '.', '//', a backslash or NUL; "
-            "refusing a path that could escape its directory"
-        )
-    return path
 
 
 def file_uri(uri: str, manifest: Manifest, path: str) -> str:

@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from pipeline_core.uris import safe_relpath
 
 if TYPE_CHECKING:
     from pipeline_core.artifacts import Manifest
@@ -96,9 +98,15 @@ class StageCounts(Handoff):
 class FileEntry(Handoff):
     """One entry of a manifest's `files`: a payload file's path under the artifact, size and sha256."""
 
-    path: str = Field(min_length=1)
+    path: str
     size: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, v: str) -> str:
+        # the store is data: a path that could leave the artifact's directory is refused on read
+        return safe_relpath(v, "manifest file path")
 
     def to_entry(self) -> dict[str, Any]:
         return {"path": self.path, "size": self.size, "sha256": self.sha256}
@@ -111,6 +119,15 @@ class FileEntry(Handoff):
     @classmethod
     def named(cls, manifest: Manifest, path: str) -> FileEntry | None:
         return next((e for e in cls.all_of(manifest) if e.path == path), None)
+
+
+class SourceFile(Handoff):
+    """A file read from outside the store (an `enrich.prompt_sources` table), by URI, with the size
+    and sha256 it had when read: provenance, never fetched back by this path."""
+
+    path: str = Field(min_length=1, description="the file's URI")
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
 class RowsPerSplit(Handoff):
@@ -265,7 +282,7 @@ class PromptSourceOutcome(Handoff):
     config_key: str
     recipes: list[str] | None = None
     rows: int | None = None
-    files: list[FileEntry] | None = None
+    files: list[SourceFile] | None = None
     downloaded_to: str | None = None
     restored: int = Field(0, ge=0)
     unrestorable: int = Field(0, ge=0)

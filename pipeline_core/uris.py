@@ -128,3 +128,16 @@ def _reject_traversal(path: str, what: str) -> None:
     segments = unquote(path).split("/")
     if any(seg in ("..", ".") for seg in segments) or "\\" in path or "\x00" in path:
         raise ValueError(f"{what}: {path!r} contains '..', '.', a backslash or NUL; refusing a path that can escape its prefix")
+
+
+def safe_relpath(path: object, what: str) -> str:
+    """`path` if it is a plain relative '/'-separated path; ValueError otherwise (the store is data)."""
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"{what}: {path!r} is not a non-empty string")
+    segments = path.split("/")
+    if path.startswith("/") or "\\" in path or "\x00" in path or any(s in ("", ".", "..") for s in segments):
+        raise ValueError(
+            f"{what}: {path!r} is absolute or contains '..', '.', '//', a backslash or NUL; "
+            "refusing a path that could escape its directory"
+        )
+    return path

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline_core import uris
-from pipeline_core.handoffs import FileEntry, PromptSourceOutcome
+from pipeline_core.handoffs import PromptSourceOutcome, SourceFile
 
 if TYPE_CHECKING:
     from pyspark.sql import Column, DataFrame, SparkSession
@@ -52,7 +52,7 @@ class SourceInfo:
     hub_id: str
     uri: str
     recipes: list[str] = field(default_factory=list)
-    files: list[FileEntry] = field(default_factory=list)
+    files: list[SourceFile] = field(default_factory=list)
     rows: int = 0
     downloaded_to: str | None = None
 
@@ -179,13 +179,13 @@ def seed_frame(spark: SparkSession, hub_id: str, files: list[str]) -> tuple[Data
                       F.col("_best.seed_system").alias("seed_system")), recipes
 
 
-def file_hashes(spark: SparkSession, files: list[str]) -> list[FileEntry]:
+def file_hashes(spark: SparkSession, files: list[str]) -> list[SourceFile]:
     """path (a URI here), size and sha256 of each file, through Spark's binaryFile source (any file system)."""
     from pyspark.sql import functions as F
 
     rows = (spark.read.format("binaryFile").load(files)
             .select("path", "length", F.sha2("content", 256).alias("sha256")).collect())
-    return sorted((FileEntry(path=path, size=int(size), sha256=sha) for path, size, sha in rows), key=lambda f: f.path)
+    return sorted((SourceFile(path=path, size=int(size), sha256=sha) for path, size, sha in rows), key=lambda f: f.path)
 
 
 def seeds(spark: SparkSession, sources: dict[str, str], staging: Path,
