@@ -37,7 +37,7 @@ from pipeline_core.store import (
     sha256_bytes,
     sha256_file,
 )
-from pipeline_core.uris import safe_relpath  # noqa: F401  (re-exported: readers import it from here)
+from pipeline_core.uris import safe_relpath
 
 if TYPE_CHECKING:
     from pipeline_core.config import StorageSection

@@ -33,7 +33,6 @@ from pipeline_core.artifacts import (
     publish_artifact,
     read_manifest,
     require_manifest,
-    safe_relpath,
 )
 from pipeline_core.config import (
     Config,
@@ -45,6 +44,7 @@ from pipeline_core.config import (
 )
 from pipeline_core.handoffs import BenchmarkResults, MetricScore, TaskScores
 from pipeline_core.store import open_store
+from pipeline_core.uris import safe_relpath
 
 log = logging.getLogger("training.benchmarks")
 

@@ -19,8 +19,8 @@ from urllib.parse import unquote, urlsplit
 import pandas as pd  # module level: pandas_udf resolves its type hints in this module
 
 from pipeline_core import uris
-from pipeline_core.artifacts import safe_relpath
 from pipeline_core.config import LOSSY_SPARK_SETTINGS
+from pipeline_core.uris import safe_relpath
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
